@@ -1,0 +1,3 @@
+"""Reference backends (NIXL transfer, host-memory offloading). Land in later issues."""
+
+__all__: list[str] = []

@@ -1,0 +1,1 @@
+"""Typed Protocols and value types of the KV-connector contract (filled in below)."""
