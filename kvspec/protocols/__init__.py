@@ -1,1 +1,175 @@
-"""Typed Protocols and value types of the KV-connector contract (filled in below)."""
+"""Typed Protocols and value types of the KV-connector contract.
+
+This package is the spec in code: the role Protocols (:class:`SchedulerConnector`,
+:class:`WorkerConnector`, :class:`ExecutorConnector`, :class:`ConnectorFactory`), the
+read-only engine views connectors receive, the connector output and events, the KV-cache
+layout descriptor and its negotiation, capabilities, dummy-run and graph semantics, the
+request state machine, the standard aggregator, and the error hierarchy. Docstrings cite
+the clause IDs of docs/spec/. It imports nothing else of kvspec.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CapabilityError,
+    CompatibilityError,
+    ContractViolation,
+    DoubleReportError,
+    InvalidArgumentError,
+    InvalidBlockIdError,
+    KVSpecError,
+    LayoutError,
+    LayoutMismatchError,
+    LayoutNegotiationError,
+    MalformedMetadataError,
+    MetadataNotBoundError,
+    ReportError,
+    TransferTimeoutError,
+    UnknownRequestError,
+    UnsupportedOperationError,
+)
+from .views import (
+    AllocatedBlocks,
+    CachedRequestView,
+    EngineConfigView,
+    ForwardContextView,
+    ForwardKind,
+    NewRequestView,
+    RequestStatus,
+    RequestView,
+    SchedulerOutputView,
+    TransferRole,
+    freeze_params,
+)
+from .capabilities import (
+    Capabilities,
+    FailureReporting,
+    HookGraphMode,
+)
+from .layout import (
+    KVCacheLayout,
+    KVPacking,
+    StrideOrder,
+)
+from .negotiation import (
+    LayoutOffer,
+    ResolvedLayout,
+    negotiate_layout,
+)
+from .events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    ConnectorStats,
+    Direction,
+    EMPTY_OUTPUT,
+    KVCacheEvent,
+    KVConnectorOutput,
+    SupportsAggregate,
+    WIRE_VERSION,
+    WorkerMetadata,
+)
+from .metadata import (
+    ConnectorMetadata,
+    HandshakeMetadata,
+    MetadataSlot,
+)
+from .forward import (
+    ForwardPlan,
+    GraphMode,
+    GraphModeDecision,
+    HookPlacement,
+    MetadataBinding,
+    plan_forward,
+    resolve_graph_mode,
+)
+from .lifecycle import (
+    REQUEST_TRANSITIONS,
+    TERMINAL_STATES,
+    check_transition,
+)
+from .aggregation import (
+    StandardAggregator,
+)
+from .scheduler import (
+    SchedulerConnector,
+)
+from .worker import (
+    WorkerConnector,
+)
+from .executor import (
+    ExecutorConnector,
+)
+from .connector import (
+    ConnectorFactory,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "AllocatedBlocks",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "CachedRequestView",
+    "Capabilities",
+    "CapabilityError",
+    "CompatibilityError",
+    "ConnectorFactory",
+    "ConnectorMetadata",
+    "ConnectorStats",
+    "ContractViolation",
+    "Direction",
+    "DoubleReportError",
+    "EMPTY_OUTPUT",
+    "EngineConfigView",
+    "ExecutorConnector",
+    "FailureReporting",
+    "ForwardContextView",
+    "ForwardKind",
+    "ForwardPlan",
+    "GraphMode",
+    "GraphModeDecision",
+    "HandshakeMetadata",
+    "HookGraphMode",
+    "HookPlacement",
+    "InvalidArgumentError",
+    "InvalidBlockIdError",
+    "KVCacheEvent",
+    "KVCacheLayout",
+    "KVConnectorOutput",
+    "KVPacking",
+    "KVSpecError",
+    "LayoutError",
+    "LayoutMismatchError",
+    "LayoutNegotiationError",
+    "LayoutOffer",
+    "MalformedMetadataError",
+    "MetadataBinding",
+    "MetadataNotBoundError",
+    "MetadataSlot",
+    "NewRequestView",
+    "REQUEST_TRANSITIONS",
+    "ReportError",
+    "RequestStatus",
+    "RequestView",
+    "ResolvedLayout",
+    "SchedulerConnector",
+    "SchedulerOutputView",
+    "StandardAggregator",
+    "StrideOrder",
+    "SupportsAggregate",
+    "TERMINAL_STATES",
+    "TransferRole",
+    "TransferTimeoutError",
+    "UnknownRequestError",
+    "UnsupportedOperationError",
+    "WIRE_VERSION",
+    "WorkerConnector",
+    "WorkerMetadata",
+    "check_transition",
+    "freeze_params",
+    "negotiate_layout",
+    "plan_forward",
+    "resolve_graph_mode",
+]

@@ -159,6 +159,8 @@ class ContractViolation(KVSpecError):
     """
 
     def __init__(self, clause: str, *, observed: str, expected: str) -> None:
+        if not isinstance(clause, str) or not clause:
+            raise TypeError("ContractViolation needs the ID of the clause that was broken")
         self.observed = observed
         self.expected = expected
         super().__init__(f"observed: {observed}; expected: {expected}", clause=clause)

@@ -1,0 +1,3 @@
+from kvspec.cli import main
+import sys
+sys.exit(main())

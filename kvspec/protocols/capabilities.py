@@ -1,0 +1,131 @@
+"""What a connector declares about itself, in one object.
+
+The engine reads the declaration to decide graph modes and dummy-run behaviour (GRA-001), and
+the conformance suite gates its tests on it: a test that needs a capability the connector does
+not declare is skipped, and the skip names the capability.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from .errors import CapabilityError, InvalidArgumentError
+from .layout import StrideOrder
+
+__all__ = ["Capabilities", "FailureReporting", "HookGraphMode"]
+
+
+class HookGraphMode(enum.Enum):
+    """How a connector's per-layer hooks behave under graphs (GRA-001)."""
+
+    NO_LAYER_HOOKS = "no_layer_hooks"
+    """The connector implements no per-layer hook. Safe under FULL graphs (DRY-003)."""
+    EAGER = "eager"
+    """Per-layer hooks run Python per step. The engine keeps them out of captured regions:
+    PIECEWISE graphs only (GRA-002, GRA-003); they sit out dummy runs (DRY-004)."""
+    CAPTURABLE = "capturable"
+    """Per-layer hooks do pure device work on persistent buffers and may be captured, with
+    metadata the connector builds itself for dummy runs (DRY-005, GRA-004, GRA-005)."""
+
+
+class FailureReporting(enum.Enum):
+    """How a connector reports failed loads."""
+
+    NEVER_FAILS = "never_fails"
+    """Loads cannot fail (for example a connector that moves nothing)."""
+    INVALID_BLOCKS = "invalid_blocks"
+    """Failed loads end as finished and failed receives plus invalid block ids (WRK-011)."""
+
+
+def _orders(value: object) -> tuple[StrideOrder, ...]:
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise InvalidArgumentError(
+            f"accepted_layouts must be a tuple of StrideOrder or order names, got {value!r}",
+            clause="LAY-001",
+        )
+    out: list[StrideOrder] = []
+    for v in value:
+        order = v if isinstance(v, StrideOrder) else StrideOrder.parse(v)
+        if order not in out:
+            out.append(order)
+    return tuple(out)
+
+
+@attrs.frozen
+class Capabilities:
+    """Everything a connector declares about what it does.
+
+    Attributes:
+        async_loads: ``get_num_new_matched_tokens`` may return ``load_async=True``; the
+            engine then waits for ``finished_recving`` before scheduling the request.
+        delayed_free: ``request_finished`` may return True, holding blocks until
+            ``finished_sending`` (SCH-016).
+        layer_hooks: Per-layer hook behaviour under graphs (GRA-001).
+        accepted_layouts: Stride orders the connector can move, in preference order (names
+            such as ``"HND"`` are parsed); empty means every order (LAY-010).
+        accepts_split_kv: The connector can move layouts with a K/V selector dim (LAY-002).
+        heterogeneous_tp: Producer and consumer may run different TP sizes.
+        failure_reporting: How failed loads are reported.
+        kv_cache_groups: Most KV-cache groups (hybrid models) the connector supports.
+        custom_aggregator: The connector supplies its own executor aggregator (EXE-012).
+        handles_preemptions: The connector implements ``handle_preemptions`` (WRK-012).
+    """
+
+    async_loads: bool = False
+    delayed_free: bool = False
+    layer_hooks: HookGraphMode = HookGraphMode.NO_LAYER_HOOKS
+    accepted_layouts: tuple[StrideOrder, ...] = attrs.field(default=(), converter=_orders)
+    accepts_split_kv: bool = True
+    heterogeneous_tp: bool = False
+    failure_reporting: FailureReporting = FailureReporting.NEVER_FAILS
+    kv_cache_groups: int = 1
+    custom_aggregator: bool = False
+    handles_preemptions: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        for name in (
+            "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
+            "custom_aggregator", "handles_preemptions",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(
+                    f"Capabilities.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if not isinstance(self.layer_hooks, HookGraphMode):
+            raise InvalidArgumentError(
+                f"Capabilities.layer_hooks must be a HookGraphMode, got {self.layer_hooks!r}"
+            )
+        if not isinstance(self.failure_reporting, FailureReporting):
+            raise InvalidArgumentError(
+                "Capabilities.failure_reporting must be a FailureReporting, got "
+                f"{self.failure_reporting!r}"
+            )
+        if isinstance(self.kv_cache_groups, bool) or not isinstance(self.kv_cache_groups, int) \
+                or self.kv_cache_groups < 1:
+            raise InvalidArgumentError(
+                f"Capabilities.kv_cache_groups must be an int >= 1, got {self.kv_cache_groups!r}"
+            )
+        if self.async_loads and self.failure_reporting is FailureReporting.NEVER_FAILS:
+            raise CapabilityError(
+                "a connector with async_loads moves KV from outside the engine and can fail; "
+                "declare failure_reporting=FailureReporting.INVALID_BLOCKS (WRK-011)",
+                clause="WRK-011",
+            )
+
+    @property
+    def has_layer_hooks(self) -> bool:
+        """True if the engine calls ``wait_for_layer_load`` and ``save_kv_layer``."""
+        return self.layer_hooks is not HookGraphMode.NO_LAYER_HOOKS
+
+    def describe(self) -> dict[str, object]:
+        """Plain-data form for report headers and JSON reports."""
+        out: dict[str, object] = {}
+        for f in attrs.fields(Capabilities):
+            v = getattr(self, f.name)
+            if isinstance(v, tuple):
+                out[f.name] = [x.value for x in v]
+            else:
+                out[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return out

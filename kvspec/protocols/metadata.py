@@ -1,0 +1,261 @@
+"""Metadata that crosses process boundaries: step metadata, its binding slot, handshakes.
+
+Nothing here is ever unpickled (ERR-006): step metadata encodes itself to bytes and decodes
+with validation; handshake metadata is JSON with a spec version.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import attrs
+from typing_extensions import Self
+
+from .errors import (
+    CompatibilityError,
+    InvalidArgumentError,
+    MalformedMetadataError,
+    MetadataNotBoundError,
+)
+from .views import freeze_params
+
+__all__ = [
+    "ConnectorMetadata",
+    "HandshakeMetadata",
+    "MetadataSlot",
+]
+
+M = TypeVar("M")
+
+
+@runtime_checkable
+class ConnectorMetadata(Protocol):
+    """Per-step metadata from the scheduler role to the worker roles.
+
+    Built by ``build_connector_meta`` (or, for dummy runs, ``build_dummy_connector_meta``)
+    and bound around a forward. It crosses from the scheduler process to every worker
+    process, so it must encode itself to bytes and decode from them without pickle (ERR-006).
+    """
+
+    @abstractmethod
+    def encode(self) -> bytes:
+        """Return the metadata as bytes that :meth:`decode` turns back into an equal object.
+
+        Must not use pickle or any format that runs code when decoded (ERR-006).
+        """
+
+    @classmethod
+    @abstractmethod
+    def decode(cls, data: bytes) -> Self:
+        """Rebuild metadata from :meth:`encode`'s bytes.
+
+        Must validate what it reads and raise MalformedMetadataError on anything it did not
+        write (ERR-005).
+        """
+
+
+class MetadataSlot(Generic[M]):
+    """Holds the metadata bound to a worker connector, and refuses reads when none is.
+
+    A connector keeps one slot and forwards ``bind_connector_metadata`` and
+    ``clear_connector_metadata`` to it; hooks read the metadata with :meth:`get`, which raises
+    :class:`MetadataNotBoundError` naming the hook instead of failing an assertion (DRY-001).
+    """
+
+    __slots__ = ("_value", "_type")
+
+    def __init__(self, metadata_type: type[M]) -> None:
+        if not isinstance(metadata_type, type):
+            raise InvalidArgumentError(f"metadata_type must be a class, got {metadata_type!r}")
+        self._type = metadata_type
+        self._value: M | None = None
+
+    def bind(self, metadata: M) -> None:
+        """Bind the step's metadata (WRK-003).
+
+        Raises:
+            InvalidArgumentError: ``metadata`` is not of the slot's type.
+        """
+        if not isinstance(metadata, self._type):
+            raise InvalidArgumentError(
+                f"expected {self._type.__name__} metadata, got {type(metadata).__name__}",
+                clause="WRK-003",
+            )
+        self._value = metadata
+
+    def clear(self) -> None:
+        """Clear the bound metadata (WRK-003). Clearing an empty slot is allowed."""
+        self._value = None
+
+    @property
+    def is_bound(self) -> bool:
+        """True while metadata is bound."""
+        return self._value is not None
+
+    def get(self, hook: str = "a worker hook") -> M:
+        """Return the bound metadata.
+
+        Raises:
+            MetadataNotBoundError: nothing is bound; the message names ``hook`` (DRY-001).
+        """
+        if self._value is None:
+            raise MetadataNotBoundError(
+                f"{hook} ran with no connector metadata bound; the engine must bind metadata "
+                "before any hook that reads it, in real and dummy forwards alike",
+                clause="DRY-001",
+            )
+        return self._value
+
+
+def _reject_constant(name: str) -> object:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+def _json_ready(value: Mapping[str, Any]) -> dict[str, Any]:
+    def conv(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {k: conv(x) for k, x in v.items()}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return {k: conv(v) for k, v in value.items()}
+
+
+def _plain_field(name: str, value: Mapping[str, Any]) -> Mapping[str, Any]:
+    frozen = freeze_params(value, name)
+    if frozen is None:
+        raise InvalidArgumentError(f"{name} must be a mapping, got None", clause="HSK-001")
+    return frozen
+
+
+def _layout_field(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _plain_field("layout", value)
+
+
+def _payload_field(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _plain_field("payload", value)
+
+
+_HANDSHAKE_KEYS = {"engine_id", "rank", "spec_version", "layout", "payload"}
+_LAYOUT_KEYS = ("order", "packing", "dtype", "block_size")
+
+
+@attrs.frozen
+class HandshakeMetadata:
+    """What one worker rank tells its peers before the first transfer (HSK clauses).
+
+    Attributes:
+        engine_id: The engine the rank belongs to.
+        rank: The worker rank.
+        spec_version: The kvspec spec version the connector implements; peers must agree
+            on its major part (HSK-003).
+        layout: Plain-data summary of the KV layout: ``order``, ``packing``, ``dtype`` and
+            ``block_size`` at least (HSK-003).
+        payload: Connector-specific plain data (for example a transfer agent's metadata,
+            hex-encoded).
+    """
+
+    engine_id: str
+    rank: int
+    spec_version: str
+    layout: Mapping[str, Any] = attrs.field(converter=_layout_field)
+    payload: Mapping[str, Any] = attrs.field(factory=dict, converter=_payload_field)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise InvalidArgumentError(f"engine_id must be a non-empty str, got {self.engine_id!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise InvalidArgumentError(f"rank must be an int >= 0, got {self.rank!r}")
+        if not isinstance(self.spec_version, str) or not self.spec_version.split(".")[0].isdigit():
+            raise InvalidArgumentError(
+                f"spec_version must look like '1.2', got {self.spec_version!r}"
+            )
+        missing = [k for k in _LAYOUT_KEYS if k not in self.layout]
+        if missing:
+            raise InvalidArgumentError(
+                f"handshake layout lacks {missing}; it needs {list(_LAYOUT_KEYS)} (HSK-003)",
+                clause="HSK-003",
+            )
+
+    def encode(self) -> bytes:
+        """Encode as UTF-8 JSON (HSK-001)."""
+        return json.dumps(
+            {
+                "engine_id": self.engine_id,
+                "rank": self.rank,
+                "spec_version": self.spec_version,
+                "layout": _json_ready(self.layout),
+                "payload": _json_ready(self.payload),
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> HandshakeMetadata:
+        """Decode and validate bytes from :meth:`encode` (HSK-001, HSK-005).
+
+        Raises:
+            MalformedMetadataError: the bytes are not the JSON object :meth:`encode` writes.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MalformedMetadataError(
+                f"handshake metadata must be bytes, got {type(data).__name__}", clause="HSK-005"
+            )
+        try:
+            obj = json.loads(bytes(data).decode(), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise MalformedMetadataError(
+                f"handshake metadata is not UTF-8 JSON: {e}", clause="HSK-005"
+            ) from None
+        if not isinstance(obj, dict) or set(obj) != _HANDSHAKE_KEYS:
+            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise MalformedMetadataError(
+                f"handshake metadata must be an object with keys {sorted(_HANDSHAKE_KEYS)}, "
+                f"got {got}",
+                clause="HSK-005",
+            )
+        if not isinstance(obj["layout"], dict) or not isinstance(obj["payload"], dict):
+            raise MalformedMetadataError(
+                "handshake 'layout' and 'payload' must be JSON objects", clause="HSK-005"
+            )
+        try:
+            return cls(
+                engine_id=obj["engine_id"],
+                rank=obj["rank"],
+                spec_version=obj["spec_version"],
+                layout=obj["layout"],
+                payload=obj["payload"],
+            )
+        except InvalidArgumentError as e:
+            raise MalformedMetadataError(e.message, clause="HSK-005") from None
+
+    def check_compatible(self, peer: HandshakeMetadata) -> None:
+        """Raise if ``peer`` cannot exchange KV with this rank (HSK-003).
+
+        Compares the spec major version and the layout's order, packing, dtype and block size.
+
+        Raises:
+            CompatibilityError: naming the first field that differs and both values.
+        """
+        if not isinstance(peer, HandshakeMetadata):
+            raise InvalidArgumentError(f"peer must be HandshakeMetadata, got {type(peer).__name__}")
+        mine, theirs = int(self.spec_version.split(".")[0]), int(peer.spec_version.split(".")[0])
+        if mine != theirs:
+            raise CompatibilityError(
+                f"spec major version differs: {self.engine_id} rank {self.rank} implements "
+                f"{self.spec_version}, {peer.engine_id} rank {peer.rank} implements "
+                f"{peer.spec_version}",
+                clause="HSK-003",
+            )
+        for key in _LAYOUT_KEYS:
+            if self.layout[key] != peer.layout[key]:
+                raise CompatibilityError(
+                    f"layout {key} differs: {self.engine_id} rank {self.rank} has "
+                    f"{self.layout[key]!r}, {peer.engine_id} rank {peer.rank} has "
+                    f"{peer.layout[key]!r}",
+                    clause="HSK-003",
+                )

@@ -1,0 +1,159 @@
+"""The scheduler role of a KV connector: one instance per engine core, in the scheduler process.
+
+Hook names follow vLLM's ``KVConnectorBase_V1`` where the meaning is the same, so connector
+authors recognise them; the arguments are kvspec's read-only views.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from .events import KVCacheEvent, KVConnectorOutput
+from .metadata import ConnectorMetadata, HandshakeMetadata
+from .views import AllocatedBlocks, RequestView, SchedulerOutputView
+
+__all__ = ["SchedulerConnector"]
+
+
+@runtime_checkable
+class SchedulerConnector(Protocol):
+    """The connector's scheduler role.
+
+    Subclass it to inherit the documented defaults of the optional methods, or implement every
+    method to satisfy it structurally. The engine calls these hooks from its single scheduler
+    thread, in the order given in docs/spec/state-machines.md. No hook may block on a transfer
+    (SCH-025), mutate what it is given (SCH-012) or keep a mutable engine object: the views it
+    receives are immutable and may be kept.
+    """
+
+    # -- required -------------------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Say how many tokens beyond ``num_computed_tokens`` the connector can load.
+
+        When: for a waiting request, each time the engine considers scheduling it, including
+        again after a deferral, a failed allocation or a preemption (SCH-001, SCH-022).
+
+        May assume: ``num_computed_tokens`` counts the tokens already in the engine's own
+        prefix cache and is at most the number of prompt tokens.
+
+        Must return ``(count, load_async)``: ``count`` is None to defer the answer
+        (SCH-002; the engine asks again later, SCH-003) or an int in
+        ``[0, prompt tokens - num_computed_tokens]`` (SCH-004); ``num_computed_tokens + count``
+        must leave at least one prompt token to compute (SCH-005) and should end on a block
+        boundary (SCH-007); only KV the connector can deliver now counts (SCH-006), keyed by
+        salt and LoRA identity (SCH-020). ``load_async`` is True if the KV arrives between
+        steps (the request then waits for ``finished_recving``, SCH-023); it must be False
+        when ``count`` is 0 or None (SCH-004).
+
+        Must never: change state another hook can observe, start a load or pin anything
+        (SCH-001).
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        """Learn which blocks the engine allocated for a request.
+
+        When: after each allocation for a request whose match was asked; for an async match,
+        once when the blocks for the external tokens are allocated and possibly again after
+        the load finished with ``num_external_tokens == 0`` (SCH-009).
+
+        May assume: ``blocks`` are within the physical budget (LAY-012) and cover at least
+        the external tokens.
+
+        Must: decide whether to load from ``num_external_tokens`` alone, never from whether
+        ``blocks`` is empty (SCH-008); plan loads only into the blocks that cover the external
+        tokens (SCH-010); start no second load on the second call (SCH-009).
+        """
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        """Build the metadata the workers need for this step, and reset per-step state.
+
+        When: exactly once per scheduler step, including steps that schedule nothing
+        (SCH-011); under async scheduling possibly before the previous step's output arrived
+        (SCH-014).
+
+        Must return: metadata that encodes without pickle (ERR-006) and describes each
+        transfer in exactly one step (SCH-013).
+
+        Must never: mutate ``scheduler_output`` (SCH-012), or wait for the previous step's
+        output (SCH-014).
+        """
+
+    # -- optional, with defaults ------------------------------------------------------------
+
+    def on_new_request(self, request: RequestView) -> None:
+        """Observe a request as it is added to the engine.
+
+        When: once per request, before its first ``get_num_new_matched_tokens``.
+        Default: does nothing.
+        """
+        return None
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        """Take note that a request finished or was aborted, before its blocks are freed.
+
+        When: exactly once per request that had blocks allocated, whatever the reason it ended
+        (SCH-015), including an abort while waiting for remote KV (SCH-021).
+
+        Must return ``(delay_free, kv_transfer_params)``: ``delay_free`` True keeps the blocks
+        until the workers report the request in ``finished_sending`` (SCH-016), which the
+        connector must then make happen; False lets the engine free them at once, after which
+        the connector must not read them (SCH-017). ``kv_transfer_params`` is None or
+        JSON-representable data handed to the next engine (SCH-018).
+
+        Default: ``(False, None)``.
+        """
+        return False, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Consume the aggregated worker output of one executed step.
+
+        When: exactly once per executed step, in step order (SCH-019).
+        May assume: ``output`` is the executor's aggregate (EXE clauses).
+        Default: does nothing.
+        """
+        return None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Return the KV-cache events gathered since the last call, each exactly once (EVT-004).
+
+        Default: no events.
+        """
+        return ()
+
+    def get_finished_count(self) -> int | None:
+        """Return how many worker reports complete a request, or None for the world size.
+
+        When: once, when the executor is created (SCH-026, EXE-008).
+        Default: None.
+        """
+        return None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: Mapping[int, HandshakeMetadata]
+    ) -> None:
+        """Receive every worker's handshake metadata, keyed by rank (HSK-002).
+
+        When: once, before the first step is scheduled.
+        Default: does nothing.
+        """
+        return None
+
+    def shutdown(self) -> None:
+        """Release every resource of the scheduler role (SCH-027).
+
+        Must be idempotent and finish within a bounded time.
+        Default: does nothing.
+        """
+        return None

@@ -1,0 +1,538 @@
+"""Read-only views of the engine objects a connector sees.
+
+Engines adapt their own request, scheduler-output, block and forward-context objects into
+these small immutable types, so one connector runs on any engine. Every view validates its
+fields on construction (ERR-002) and never exposes a mutable engine object (SCH-012).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from .errors import InvalidArgumentError, InvalidBlockIdError
+
+__all__ = [
+    "AllocatedBlocks",
+    "CachedRequestView",
+    "EngineConfigView",
+    "ForwardContextView",
+    "ForwardKind",
+    "NewRequestView",
+    "RequestStatus",
+    "RequestView",
+    "SchedulerOutputView",
+    "TransferRole",
+    "freeze_params",
+]
+
+
+def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    try:
+        out = tuple(values)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an iterable of ints, got {type(values).__name__}", clause="ERR-002"
+        ) from None
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidArgumentError(
+                f"{name} must hold ints, got {v!r} ({type(v).__name__})", clause="ERR-002"
+            )
+    return out
+
+
+def _block_ids(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    try:
+        out = _ints(name, values)
+    except InvalidArgumentError as e:
+        raise InvalidBlockIdError(e.message, clause="ERR-003") from None
+    for b in out:
+        if b < 0:
+            raise InvalidBlockIdError(
+                f"{name} holds a negative block id {b}; block ids are >= 0", clause="ERR-003"
+            )
+    return out
+
+
+def _req_id(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(
+            f"{name} must be a non-empty str, got {value!r}", clause="ERR-002"
+        )
+    return value
+
+
+def _nonneg(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}", clause="ERR-002")
+    return value
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}", clause="ERR-002")
+    return value
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _check_plain(path: str, value: object) -> object:
+    """Return a deep, immutable copy of JSON-representable data (SCH-018)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArgumentError(
+            f"{path} is {value}; JSON has no NaN or infinity", clause="SCH-018"
+        )
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, Mapping):
+        out: dict[str, object] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidArgumentError(
+                    f"{path} has a non-str key {k!r}; plain-data parameters are JSON objects",
+                    clause="SCH-018",
+                )
+            out[k] = _check_plain(f"{path}.{k}", v)
+        return MappingProxyType(out)
+    if isinstance(value, (list, tuple)):
+        return tuple(_check_plain(f"{path}[{i}]", v) for i, v in enumerate(value))
+    raise InvalidArgumentError(
+        f"{path} is a {type(value).__name__}; transfer params hold only JSON-representable "
+        "values (str, int, float, bool, None, lists and str-keyed mappings)",
+        clause="SCH-018",
+    )
+
+
+def freeze_params(
+    params: Mapping[str, Any] | None, name: str = "kv_transfer_params"
+) -> Mapping[str, Any] | None:
+    """Validate plain-data parameters and return an immutable deep copy (SCH-018).
+
+    ``name`` is the field the parameters belong to, used in error messages.
+
+    Raises:
+        InvalidArgumentError: ``params`` is not a str-keyed mapping of JSON-representable values.
+    """
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise InvalidArgumentError(
+            f"{name} must be a mapping or None, got {type(params).__name__}",
+            clause="SCH-018",
+        )
+    frozen = _check_plain(name, params)
+    assert isinstance(frozen, Mapping)
+    return frozen
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life (see docs/spec/state-machines.md)."""
+
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class TransferRole(enum.Enum):
+    """What an engine does with KV across engines."""
+
+    PRODUCER = "producer"
+    """Computes prompts and hands KV off (a prefill engine)."""
+    CONSUMER = "consumer"
+    """Receives KV computed elsewhere (a decode engine)."""
+    BOTH = "both"
+    """Stores and loads its own KV (offloading, shared storage)."""
+
+
+class ForwardKind(enum.Enum):
+    """Why a forward pass runs; decides what the engine binds and calls (DRY, GRA clauses)."""
+
+    REAL = "real"
+    """A scheduled step serving real requests, run eagerly or piecewise."""
+    PROFILE = "profile"
+    """Memory profiling before the KV caches exist: no connector hook runs (DRY-002)."""
+    WARMUP = "warmup"
+    """A dummy run that warms kernels up after the KV caches are registered."""
+    CAPTURE = "capture"
+    """A dummy run recorded into a graph (at start-up, or lazily mid-serving)."""
+    REPLAY = "replay"
+    """A real step executed by replaying a captured graph."""
+
+    @property
+    def is_dummy(self) -> bool:
+        """True for forwards that serve no request (profile, warm-up, capture)."""
+        return self in (ForwardKind.PROFILE, ForwardKind.WARMUP, ForwardKind.CAPTURE)
+
+
+def _ids_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise InvalidArgumentError("expected an iterable of request ids, got one str")
+    return tuple(_req_id("request id", v) for v in value)
+
+
+def _v_req_id(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
+    _req_id(attr.name, value)
+
+
+def _v_nonneg(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    _nonneg(attr.name, value)
+
+
+def _v_positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    _positive(attr.name, value)
+
+
+def _token_ids(values: Iterable[int]) -> tuple[int, ...]:
+    return _ints("token ids", values)
+
+
+def _groups(groups: object) -> tuple[tuple[int, ...], ...]:
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise InvalidBlockIdError(
+            f"blocks must be an iterable of block-id iterables (one per KV-cache group), "
+            f"got {groups!r}",
+            clause="ERR-003",
+        )
+    return tuple(_block_ids("block ids", g) for g in groups)
+
+
+def _token_counts(m: object) -> Mapping[str, int]:
+    if not isinstance(m, Mapping):
+        raise InvalidArgumentError(
+            f"num_scheduled_tokens must be a mapping of request id to token count, got {m!r}",
+            clause="ERR-002",
+        )
+    return MappingProxyType(dict(m))
+
+
+def _hashes(values: object) -> tuple[bytes, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidArgumentError(
+            f"block_hashes must be an iterable of bytes, got {values!r}", clause="ERR-002"
+        )
+    return tuple(values)
+
+
+def _layer_names(values: object) -> tuple[str, ...]:
+    if isinstance(values, str) or not isinstance(values, Iterable):
+        raise InvalidArgumentError(
+            f"layer_names must be an iterable of str, got {values!r}", clause="ERR-002"
+        )
+    out = tuple(values)
+    for v in out:
+        if not isinstance(v, str) or not v:
+            raise InvalidArgumentError(
+                f"layer_names must hold non-empty str, got {v!r}", clause="ERR-002"
+            )
+    return out
+
+
+def _is(cls: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """An attrs validator raising InvalidArgumentError when the value is not a ``cls``."""
+
+    def check(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, cls):
+            raise InvalidArgumentError(
+                f"{attr.name} must be a {cls.__name__}, got {value!r}", clause="ERR-002"
+            )
+
+    return check
+
+
+def _id_set(values: Iterable[str]) -> frozenset[str]:
+    return frozenset(_ids_tuple(values))
+
+
+def _extra(m: Mapping[str, Any]) -> Mapping[str, Any]:
+    frozen = freeze_params(m, "extra")
+    if frozen is None:
+        raise InvalidArgumentError("extra must be a mapping, got None", clause="ERR-002")
+    return frozen
+
+
+@attrs.frozen
+class AllocatedBlocks:
+    """The blocks the engine allocated to a request, one tuple of ids per KV-cache group.
+
+    Block ids index the block dimension of the registered KV tensors and are always within the
+    engine's physical block budget (LAY-012).
+    """
+
+    groups: tuple[tuple[int, ...], ...] = attrs.field(converter=_groups)
+
+    @classmethod
+    def single(cls, block_ids: Iterable[int]) -> AllocatedBlocks:
+        """Blocks of an engine with a single KV-cache group."""
+        return cls((tuple(block_ids),))
+
+    @property
+    def num_groups(self) -> int:
+        """Number of KV-cache groups."""
+        return len(self.groups)
+
+    def block_ids(self, group: int = 0) -> tuple[int, ...]:
+        """The block ids of one KV-cache group.
+
+        Raises:
+            InvalidArgumentError: ``group`` is out of range.
+        """
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
+            raise InvalidArgumentError(
+                f"group must be in [0, {len(self.groups)}), got {group!r}", clause="ERR-002"
+            )
+        return self.groups[group]
+
+    def check_budget(self, num_blocks: int) -> None:
+        """Raise InvalidBlockIdError if any id is outside ``[0, num_blocks)`` (LAY-012).
+
+        Raises:
+            InvalidArgumentError: ``num_blocks`` is not an int >= 1.
+        """
+        _positive("num_blocks", num_blocks)
+        for g, ids in enumerate(self.groups):
+            for b in ids:
+                if b >= num_blocks:
+                    raise InvalidBlockIdError(
+                        f"group {g} holds block id {b}, outside the physical block budget "
+                        f"[0, {num_blocks})",
+                        clause="LAY-012",
+                    )
+
+
+@attrs.frozen
+class RequestView:
+    """What a scheduler hook sees of one request.
+
+    Attributes:
+        request_id: The engine's id for the request, unique while the request lives.
+        prompt_token_ids: The prompt, token by token.
+        output_token_ids: Tokens sampled so far.
+        block_hashes: The chained prefix-block hashes of the full blocks of the request's
+            tokens, salted by ``cache_salt`` and ``lora_id`` (SCH-020).
+        cache_salt: Tenant isolation salt, or None.
+        lora_id: Identity of the LoRA adapter, or None for the base model.
+        kv_transfer_params: Plain-data parameters handed over from another engine (SCH-018).
+        status: Where the request is in its life.
+        num_computed_tokens: Tokens whose KV is in the engine's cache.
+    """
+
+    request_id: str = attrs.field(validator=_v_req_id)
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
+    output_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    block_hashes: tuple[bytes, ...] = attrs.field(default=(), converter=_hashes)
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    kv_transfer_params: Mapping[str, Any] | None = attrs.field(
+        default=None, converter=freeze_params
+    )
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidArgumentError(
+                f"request {self.request_id!r} has an empty prompt; a request has >= 1 prompt token",
+                clause="ERR-002",
+            )
+        for h in self.block_hashes:
+            if not isinstance(h, bytes) or not h:
+                raise InvalidArgumentError(
+                    f"block_hashes must hold non-empty bytes, got {h!r}", clause="ERR-002"
+                )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidArgumentError(
+                f"cache_salt must be a str or None, got {self.cache_salt!r}", clause="ERR-002"
+            )
+        if self.lora_id is not None:
+            _nonneg("lora_id", self.lora_id)
+        if not isinstance(self.status, RequestStatus):
+            raise InvalidArgumentError(
+                f"status must be a RequestStatus, got {self.status!r}", clause="ERR-002"
+            )
+        _nonneg("num_computed_tokens", self.num_computed_tokens)
+        if self.num_computed_tokens > self.num_tokens:
+            raise InvalidArgumentError(
+                f"request {self.request_id!r}: num_computed_tokens {self.num_computed_tokens} "
+                f"exceeds its {self.num_tokens} tokens",
+                clause="ERR-002",
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        """Prompt tokens followed by output tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@attrs.frozen
+class NewRequestView:
+    """A request scheduled for the first time (or resumed after preemption) in this step."""
+
+    request: RequestView = attrs.field(validator=_is(RequestView))
+    blocks: AllocatedBlocks = attrs.field(validator=_is(AllocatedBlocks))
+    num_computed_tokens: int = attrs.field(validator=_v_nonneg)
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+
+@attrs.frozen
+class CachedRequestView:
+    """A request that was already running and is scheduled again in this step."""
+
+    request_id: str = attrs.field(validator=_v_req_id)
+    new_blocks: AllocatedBlocks = attrs.field(
+        factory=lambda: AllocatedBlocks(((),)), validator=_is(AllocatedBlocks)
+    )
+    num_computed_tokens: int = attrs.field(default=0, validator=_v_nonneg)
+    new_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    resumed_from_preemption: bool = attrs.field(default=False, validator=_is(bool))
+
+
+@attrs.frozen
+class SchedulerOutputView:
+    """What one scheduler step decided, as the connector's scheduler and worker roles see it.
+
+    ``build_connector_meta`` receives it and must not mutate anything in it (SCH-012); a step
+    may schedule zero tokens and is still built and delivered (SCH-011).
+
+    Attributes:
+        step_id: Monotonic step counter of the engine, from 0.
+        scheduled_new_reqs: Requests scheduled for the first time, or resumed.
+        scheduled_cached_reqs: Requests continuing from an earlier step.
+        num_scheduled_tokens: Tokens scheduled per request id in this step.
+        finished_req_ids: Requests that finished or were aborted since the previous step.
+        preempted_req_ids: Requests preempted in this step; their blocks will be reused
+            (SCH-022, WRK-012).
+    """
+
+    step_id: int = attrs.field(validator=_v_nonneg)
+    scheduled_new_reqs: tuple[NewRequestView, ...] = attrs.field(default=(), converter=tuple)
+    scheduled_cached_reqs: tuple[CachedRequestView, ...] = attrs.field(
+        default=(), converter=tuple
+    )
+    num_scheduled_tokens: Mapping[str, int] = attrs.field(factory=dict, converter=_token_counts)
+    finished_req_ids: frozenset[str] = attrs.field(factory=frozenset, converter=_id_set)
+    preempted_req_ids: frozenset[str] = attrs.field(factory=frozenset, converter=_id_set)
+
+    def __attrs_post_init__(self) -> None:
+        for r in self.scheduled_new_reqs:
+            if not isinstance(r, NewRequestView):
+                raise InvalidArgumentError(
+                    f"scheduled_new_reqs must hold NewRequestView, got {type(r).__name__}"
+                )
+        for c in self.scheduled_cached_reqs:
+            if not isinstance(c, CachedRequestView):
+                raise InvalidArgumentError(
+                    f"scheduled_cached_reqs must hold CachedRequestView, got {type(c).__name__}"
+                )
+        scheduled = [r.request_id for r in self.scheduled_new_reqs] + [
+            r.request_id for r in self.scheduled_cached_reqs
+        ]
+        if len(set(scheduled)) != len(scheduled):
+            raise InvalidArgumentError(
+                f"step {self.step_id} schedules a request twice: {sorted(scheduled)}",
+                clause="ERR-002",
+            )
+        if set(self.num_scheduled_tokens) != set(scheduled):
+            raise InvalidArgumentError(
+                f"step {self.step_id}: num_scheduled_tokens names {sorted(self.num_scheduled_tokens)}"
+                f" but the step schedules {sorted(scheduled)}",
+                clause="ERR-002",
+            )
+        for rid, n in self.num_scheduled_tokens.items():
+            _positive(f"num_scheduled_tokens[{rid!r}]", n)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens scheduled in this step over all requests."""
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step schedules no token (SCH-011: it is still built and delivered)."""
+        return not self.num_scheduled_tokens
+
+
+@attrs.frozen
+class ForwardContextView:
+    """What a worker hook sees of the forward pass it runs in.
+
+    Attributes:
+        kind: Why this forward runs; dummy kinds carry no real request (DRY clauses).
+        step_id: The scheduler step this forward executes, or None for dummy forwards.
+        num_tokens: Tokens in the forward, after padding to a captured size (GRA-009).
+        layer_names: The attention layers of this worker, in execution order.
+    """
+
+    kind: ForwardKind
+    step_id: int | None
+    num_tokens: int = attrs.field(validator=_v_nonneg)
+    layer_names: tuple[str, ...] = attrs.field(converter=_layer_names)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.kind, ForwardKind):
+            raise InvalidArgumentError(f"kind must be a ForwardKind, got {self.kind!r}")
+        if self.kind.is_dummy != (self.step_id is None):
+            raise InvalidArgumentError(
+                f"a {self.kind.value} forward "
+                + ("has no step id" if self.kind.is_dummy else "needs the step id it executes")
+                + f", got step_id={self.step_id!r}"
+            )
+        if self.step_id is not None:
+            _nonneg("step_id", self.step_id)
+        if not self.layer_names or len(set(self.layer_names)) != len(self.layer_names):
+            raise InvalidArgumentError(
+                f"layer_names must be unique and non-empty, got {self.layer_names!r}"
+            )
+
+
+@attrs.frozen
+class EngineConfigView:
+    """The engine configuration a connector factory receives.
+
+    Attributes:
+        engine_id: Unique id of this engine instance (peers address it by this id).
+        role: What the engine does with KV across engines.
+        num_layers: Attention layers of the model (all ranks).
+        block_size: Tokens per KV block.
+        num_blocks: The physical block budget per rank (LAY-003).
+        tp_size: Tensor-parallel ranks.
+        pp_size: Pipeline-parallel ranks.
+        extra: The connector's own configuration (vLLM's kv_connector_extra_config), plain data.
+    """
+
+    engine_id: str = attrs.field(validator=_v_req_id)
+    role: TransferRole = attrs.field(validator=_is(TransferRole))
+    num_layers: int = attrs.field(validator=_v_positive)
+    block_size: int = attrs.field(validator=_v_positive)
+    num_blocks: int = attrs.field(validator=_v_positive)
+    tp_size: int = attrs.field(default=1, validator=_v_positive)
+    pp_size: int = attrs.field(default=1, validator=_v_positive)
+    extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra)
+
+    @property
+    def world_size(self) -> int:
+        """Number of worker ranks, TP times PP: the default expected report count (EXE-008)."""
+        return self.tp_size * self.pp_size

@@ -1,0 +1,225 @@
+"""The worker role of a KV connector: one instance per worker rank, in the worker process."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .errors import UnsupportedOperationError
+from .events import KVCacheEvent, KVConnectorOutput, SupportsAggregate
+from .layout import KVCacheLayout
+from .metadata import ConnectorMetadata, HandshakeMetadata
+from .views import ForwardContextView
+
+__all__ = ["WorkerConnector"]
+
+
+@runtime_checkable
+class WorkerConnector(Protocol):
+    """The connector's worker role.
+
+    Subclass it to inherit the documented defaults of the optional methods, or implement every
+    method to satisfy it structurally. The engine calls the hooks of one forward in this
+    order (docs/spec/state-machines.md): ``bind_connector_metadata``, ``start_load_kv``,
+    per layer ``wait_for_layer_load`` then ``save_kv_layer``, ``wait_for_save``,
+    ``clear_connector_metadata``; then the output hooks (``get_finished`` and friends, gathered
+    by :meth:`build_connector_output`). Which of these run in dummy and graph forwards is
+    decided by :func:`kvspec.protocols.plan_forward` from the connector's declared
+    :class:`~kvspec.protocols.HookGraphMode` (DRY and GRA clauses).
+    """
+
+    # -- required -------------------------------------------------------------------------
+
+    @abstractmethod
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        """Receive this rank's KV-cache tensors, by layer name, and their layout descriptor.
+
+        When: exactly once, after the caches are allocated and before the first forward that
+        can move KV (WRK-001); never during the profile run (DRY-002).
+
+        May assume: the descriptor is true of every tensor (LAY-006); ``layout.num_blocks`` is
+        the budget and ``layout.block_capacity`` may be larger (LAY-003).
+
+        Must never: assume anything the descriptor does not state (LAY-007), re-stride or
+        re-allocate the tensors (WRK-002, LAY-009), or move storage shared by several layers
+        more than once per block (LAY-011).
+        """
+
+    @abstractmethod
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        """Bind the metadata of the forward about to run (WRK-003).
+
+        When: before every forward in which a hook runs: with the step's metadata for real
+        and replayed steps, with the connector's own dummy metadata for dummy runs of a
+        capturable connector (DRY-005). Runs outside any captured region (GRA-007); a
+        capturable connector copies per-step state into its persistent buffers here (GRA-005).
+        """
+
+    @abstractmethod
+    def clear_connector_metadata(self) -> None:
+        """Forget the bound metadata, after ``wait_for_save`` (WRK-003)."""
+
+    @abstractmethod
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        """Start the loads the bound metadata describes.
+
+        When: once per forward in which hooks run, after binding and before the first layer
+        (WRK-004), outside any captured region (GRA-007).
+        Must: write only blocks the metadata names (WRK-002, SCH-010); loads may complete
+        asynchronously.
+        """
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until no save still reads a block the next step may overwrite (WRK-007).
+
+        When: after the last layer, before ``clear_connector_metadata``, outside any captured
+        region (GRA-007). Any wait is bounded (WRK-014).
+        """
+
+    # -- optional, with defaults ------------------------------------------------------------
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until the loads into ``layer_name`` are complete (WRK-005).
+
+        When: for connectors with per-layer hooks, once per layer per forward, in layer
+        order, before the layer's attention. Under FULL graphs a capturable connector's call
+        is captured once and replayed (GRA-004). Never called for ``NO_LAYER_HOOKS``
+        connectors (DRY-003).
+        Default: does nothing.
+        """
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, forward_context: ForwardContextView
+    ) -> None:
+        """Start saving the KV just written to ``layer_name`` (WRK-006).
+
+        When: for connectors with per-layer hooks, once per layer per forward, in layer
+        order, after the layer's KV for the scheduled tokens is written. ``kv_layer`` is the
+        layer's registered tensor. Same graph rules as :meth:`wait_for_layer_load`.
+        Default: does nothing.
+        """
+        return None
+
+    def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
+        """Fence in-flight transfers of preempted requests (WRK-012).
+
+        When: before the forward of the step that preempts them, before their blocks are
+        reused. Must return only when no transfer still reads or writes their blocks.
+        Default: does nothing (right for connectors without asynchronous saves).
+        """
+        return None
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        """Return ``(finished_sending, finished_recving)`` request ids since the last call.
+
+        When: once per executed step after the forward, or in its place (WRK-008);
+        ``finished_req_ids`` are the requests that finished in this step.
+        Must: report each request at most once per direction (WRK-009), and only requests
+        it was told about (WRK-010); a failed receive is reported too (WRK-011).
+        Default: nothing finished (right for connectors without async transfers).
+        """
+        return frozenset(), frozenset()
+
+    def get_failed_recving(self) -> frozenset[str]:
+        """Return requests whose receive failed, a subset of this step's finished_recving.
+
+        Called right after :meth:`get_finished` in the same step (WRK-011, EVT-002).
+        Default: none.
+        """
+        return frozenset()
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """Return block ids whose load failed since the last call (WRK-011, EVT-003).
+
+        Default: none.
+        """
+        return frozenset()
+
+    def get_kv_connector_stats(self) -> SupportsAggregate | None:
+        """Return transfer stats since the last call, reducible across ranks (EVT-006).
+
+        Default: None.
+        """
+        return None
+
+    def get_kv_connector_kv_cache_events(self) -> tuple[KVCacheEvent, ...]:
+        """Return KV-cache events since the last call, each once (EVT-004).
+
+        Default: none.
+        """
+        return ()
+
+    def build_connector_worker_meta(self) -> SupportsAggregate | None:
+        """Return worker metadata for the scheduler role, reducible across ranks (WRK-016).
+
+        Default: None.
+        """
+        return None
+
+    def get_finished_count_override(self) -> int | None:
+        """Return an expected report count for requests first reported in this step (EXE-008).
+
+        Default: None.
+        """
+        return None
+
+    def build_connector_output(self, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
+        """Gather this step's output: the engine's single call for the output hooks.
+
+        When: once per executed step (WRK-008); never for a dummy run (DRY-008).
+        Default: calls :meth:`get_finished`, :meth:`get_failed_recving`,
+        :meth:`get_block_ids_with_load_errors`, :meth:`get_kv_connector_stats`,
+        :meth:`get_kv_connector_kv_cache_events`, :meth:`build_connector_worker_meta` and
+        :meth:`get_finished_count_override`, in that order, into one validated output.
+        """
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self.get_failed_recving(),
+            invalid_block_ids=self.get_block_ids_with_load_errors(),
+            stats=self.get_kv_connector_stats(),
+            events=self.get_kv_connector_kv_cache_events(),
+            worker_metadata=self.build_connector_worker_meta(),
+            expected_finished_count=self.get_finished_count_override(),
+        )
+
+    def build_dummy_connector_meta(self, forward_context: ForwardContextView) -> ConnectorMetadata:
+        """Build, in this worker, metadata for a dummy forward that moves nothing.
+
+        When: only for connectors that declare capturable hooks, before every warm-up and
+        capture forward (DRY-005), in the worker process without calling the scheduler role
+        (DRY-007). The result must describe no transfer (DRY-006) and must set up the same
+        persistent buffers a real step uses, so that what is captured is what replays.
+        Default: raises UnsupportedOperationError: only capturable connectors implement it.
+        """
+        raise UnsupportedOperationError(
+            f"{type(self).__name__} does not build dummy metadata; only connectors that "
+            "declare HookGraphMode.CAPTURABLE implement build_dummy_connector_meta",
+            clause="DRY-005",
+        )
+
+    def get_handshake_metadata(self) -> HandshakeMetadata | None:
+        """Return what peers need to reach this rank, or None (HSK-001, HSK-002).
+
+        When: once, after ``register_kv_caches``, before the first step.
+        Default: None.
+        """
+        return None
+
+    def shutdown(self) -> None:
+        """Release every registration, buffer, thread and process of this rank (WRK-015).
+
+        Must be idempotent and finish within a bounded time.
+        Default: does nothing.
+        """
+        return None

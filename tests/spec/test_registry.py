@@ -1,0 +1,129 @@
+"""The clause registry and docs/spec/ must say the same thing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+import pytest
+
+import kvspec
+from kvspec.spec import CLAUSES, Area, Clause, Level, clauses_in, counts, get_clause
+from kvspec.spec._render import render_area, sync_docs
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC_DIR = ROOT / "docs" / "spec"
+HEADING = re.compile(r"^### ([A-Z]{3}-\d{3}): (.+?) \{ #([a-z]{3}-\d{3}) \}$", re.M)
+CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|DRY|GRA|HSK|ERR)-(\d{3})\b")
+
+
+def _doc_clauses() -> dict[str, tuple[Path, str]]:
+    found: dict[str, tuple[Path, str]] = {}
+    for page in sorted(SPEC_DIR.glob("*.md")):
+        for m in HEADING.finditer(page.read_text(encoding="utf-8")):
+            assert m.group(1) not in found, f"{m.group(1)} appears in {found.get(m.group(1))} and {page}"
+            assert m.group(3) == m.group(1).lower(), f"{m.group(1)} has anchor #{m.group(3)}"
+            found[m.group(1)] = (page, m.group(2))
+    return found
+
+
+def test_every_docs_clause_is_in_the_registry_and_back() -> None:
+    docs = _doc_clauses()
+    registry = {c.id for c in CLAUSES}
+    assert sorted(set(docs) - registry) == [], "clauses in docs/spec but not in the registry"
+    assert sorted(registry - set(docs)) == [], "clauses in the registry but not in docs/spec"
+
+
+def test_docs_clause_text_matches_the_registry() -> None:
+    stale = sync_docs(SPEC_DIR, check=True)
+    assert stale == [], f"run `kvspec spec --write-docs docs/spec`; stale pages: {stale}"
+
+
+def test_each_clause_is_on_its_area_page() -> None:
+    for cid, (page, title) in _doc_clauses().items():
+        clause = get_clause(cid)
+        assert page.name == clause.area.page
+        assert title == clause.title
+
+
+def test_at_least_sixty_must_clauses() -> None:
+    musts = [c for c in CLAUSES if c.level is Level.MUST]
+    assert len(musts) >= 60
+    assert sum(v[Level.MUST] for v in counts().values()) == len(musts)
+
+
+def test_every_area_has_clauses_in_id_order() -> None:
+    for area in Area:
+        ids = [c.id for c in clauses_in(area)]
+        assert ids, f"{area.name} has no clause"
+        assert ids == [f"{area.name}-{i:03d}" for i in range(1, len(ids) + 1)], "IDs have gaps"
+
+
+def test_clause_ids_cited_in_the_code_exist() -> None:
+    registry = {c.id for c in CLAUSES}
+    unknown = set()
+    for path in (ROOT / "kvspec").rglob("*.py"):
+        for m in CITED.finditer(path.read_text(encoding="utf-8")):
+            if m.group(0) not in registry:
+                unknown.add(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    for page in (ROOT / "docs").rglob("*.md"):
+        for m in CITED.finditer(page.read_text(encoding="utf-8")):
+            if m.group(0) not in registry:
+                unknown.add(f"{page.relative_to(ROOT)}: {m.group(0)}")
+    assert sorted(unknown) == []
+
+
+def test_every_must_clause_is_cited_by_the_code_or_tests() -> None:
+    """Guards against clauses nobody implements: each MUST is named somewhere in code or tests."""
+    text = "".join(p.read_text(encoding="utf-8") for d in ("kvspec", "tests")
+                   for p in (ROOT / d).rglob("*.py") if p.name != "_clauses.py"
+                   and p.name != "test_registry.py")
+    uncited = [c.id for c in CLAUSES if c.level is Level.MUST and c.id not in text]
+    assert len(uncited) <= len(CLAUSES) // 2, f"uncited MUST clauses: {uncited}"
+
+
+def test_render_has_anchor_level_and_rationale() -> None:
+    block = render_area(Area.LAY)
+    assert "### LAY-003: Block budget and capacity are distinct { #lay-003 }" in block
+    assert "**MUST.**" in block and "*Rationale:*" in block
+
+
+def test_get_clause_rejects_unknown_ids() -> None:
+    assert get_clause("sch-005").id == "SCH-005"
+    with pytest.raises(KeyError, match="no clause 'SCH-999'"):
+        get_clause("SCH-999")
+    with pytest.raises(TypeError):
+        get_clause(5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"id": "XYZ-001"}, "does not match AREA-NNN"),
+        ({"id": "SCH-1"}, "does not match AREA-NNN"),
+        ({"rule": "The connector does things."}, "must state its level"),
+        ({"rule": "two\nlines MUST"}, "must be one line"),
+        ({"title": " "}, "non-empty"),
+    ],
+)
+def test_clause_validation(kwargs: dict[str, str], message: str) -> None:
+    base = {"id": "SCH-001", "level": Level.MUST, "title": "t", "rule": "X MUST y.",
+            "rationale": "r"}
+    with pytest.raises(ValueError, match=message):
+        Clause(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_clauses_are_frozen() -> None:
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        CLAUSES[0].rule = "changed"  # type: ignore[misc]
+
+
+def test_clause_urls_point_to_area_pages() -> None:
+    c = get_clause("GRA-002")
+    assert c.url == "spec/gra.md#gra-002"
+    assert (ROOT / "docs" / c.url.split("#")[0]).exists()
+
+
+def test_version_is_exposed() -> None:
+    assert kvspec.__version__
