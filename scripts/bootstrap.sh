@@ -19,6 +19,9 @@ if [ ! -x "$KVSPEC_VENV/bin/python" ]; then
 fi
 VPY="$KVSPEC_VENV/bin/python"
 
+# pip install, quiet, without the noise of unusable local index entries; keeps pip's status.
+pipq() { "$VPY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+
 if [ -z "${KVSPEC_TORCH:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     KVSPEC_TORCH="torch>=2.4,<3"
@@ -34,13 +37,13 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
     echo "kvspec: installing $KVSPEC_TORCH first" >&2
     if [ -n "${KVSPEC_TORCH_INDEX_URL:-}" ]; then
-      "$VPY" -m pip install -q --index-url "$KVSPEC_TORCH_INDEX_URL" "$KVSPEC_TORCH"
+      pipq --index-url "$KVSPEC_TORCH_INDEX_URL" "$KVSPEC_TORCH"
     else
-      "$VPY" -m pip install -q "$KVSPEC_TORCH"
+      pipq "$KVSPEC_TORCH"
     fi
   fi
   echo "kvspec: installing kvspec[dev,nixl]" >&2
-  "$VPY" -m pip install -q -e "$KVSPEC_ROOT[dev,nixl]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  pipq -e "$KVSPEC_ROOT[dev,nixl]"
   "$VPY" -c 'import kvspec, torch' # fail loudly if the install did not take
   echo "$want" > "$stamp"
 fi

@@ -12,7 +12,8 @@ import enum
 import attrs
 
 from .errors import CapabilityError, InvalidArgumentError
-from .layout import StrideOrder
+from .layout import KVPacking, StrideOrder
+from .negotiation import LayoutOffer
 
 __all__ = ["Capabilities", "FailureReporting", "HookGraphMode"]
 
@@ -118,6 +119,15 @@ class Capabilities:
     def has_layer_hooks(self) -> bool:
         """True if the engine calls ``wait_for_layer_load`` and ``save_kv_layer``."""
         return self.layer_hooks is not HookGraphMode.NO_LAYER_HOOKS
+
+    def layout_offer(self) -> LayoutOffer:
+        """The connector's side of layout negotiation (LAY-010), from this declaration.
+
+        Orders are ``accepted_layouts`` (empty: any); packings are both when
+        ``accepts_split_kv``, otherwise concatenated K/V only.
+        """
+        packings = () if self.accepts_split_kv else (KVPacking.CONCAT,)
+        return LayoutOffer("connector", self.accepted_layouts, packings)
 
     def describe(self) -> dict[str, object]:
         """Plain-data form for report headers and JSON reports."""

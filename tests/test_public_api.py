@@ -1,0 +1,78 @@
+"""Package hygiene: exports, docstrings and the one-way dependency rule."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import kvspec
+
+ROOT = Path(kvspec.__file__).resolve().parent
+PUBLIC_MODULES = sorted(
+    m.name for m in pkgutil.walk_packages([str(ROOT)], "kvspec.")
+    if not any(part.startswith("_") for part in m.name.split("."))
+)
+
+
+@pytest.mark.parametrize("modname", PUBLIC_MODULES)
+def test_all_names_exist_and_are_documented(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    assert mod.__doc__ and mod.__doc__.strip(), f"{modname} has no module docstring"
+    names = getattr(mod, "__all__", None)
+    assert names is not None, f"{modname} has no __all__"
+    for name in names:
+        obj = getattr(mod, name)  # AttributeError: __all__ names a missing object
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), f"{modname}.{name} has no docstring"
+        if inspect.isclass(obj) and obj.__module__.startswith("kvspec"):
+            for attr, member in vars(obj).items():
+                if attr.startswith("_") or not callable(member) and not isinstance(member, property):
+                    continue
+                fn = member.fget if isinstance(member, property) else member
+                fn = getattr(fn, "__func__", fn)
+                assert getattr(fn, "__doc__", None), f"{modname}.{name}.{attr} has no docstring"
+
+
+def _kvspec_imports(path: Path) -> set[str]:
+    """Absolute names of the kvspec modules that ``path`` imports."""
+    package = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("kvspec")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")  # ".../__init__" counts as one component too
+                base = parts[: len(parts) - node.level]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module and node.module.startswith("kvspec"):
+                found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "may_import"),
+    [
+        ("protocols", ("kvspec.protocols",)),
+        ("spec", ("kvspec.spec",)),
+        ("backends", ("kvspec.backends", "kvspec.protocols")),
+        ("conformance", ("kvspec.conformance", "kvspec.protocols", "kvspec.spec")),
+    ],
+)
+def test_dependencies_point_one_way(package: str, may_import: tuple[str, ...]) -> None:
+    bad = []
+    for path in (ROOT / package).rglob("*.py"):
+        for target in _kvspec_imports(path):
+            if not any(target == p or target.startswith(p + ".") for p in may_import):
+                bad.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert bad == []
+
+
+def test_py_typed_is_shipped() -> None:
+    assert (ROOT / "py.typed").exists()
