@@ -87,11 +87,9 @@ def _check_count(value: object, what: str, world_size: int) -> int:
 
 
 def _unknown(message: str, *, rank: int, request_id: str, direction: Direction) -> NoReturn:
-    err = UnknownRequestError(message, clause="EXE-003")
-    err.rank = rank  # type: ignore[attr-defined]
-    err.request_id = request_id  # type: ignore[attr-defined]
-    err.direction = direction  # type: ignore[attr-defined]
-    raise err
+    raise UnknownRequestError(
+        message, rank=rank, request_id=request_id, direction=direction, clause="EXE-003"
+    )
 
 
 class StandardAggregator:
@@ -271,9 +269,9 @@ class StandardAggregator:
                             "expected each rank to report it exactly once",
                             rank=rank,
                             request_id=request_id,
+                            direction=direction,
                             clause="EXE-002",
                         )
-                        err.direction = direction  # type: ignore[attr-defined]
                         raise err
                     batch = batches.get(key)
                     if batch is None:

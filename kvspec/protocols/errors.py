@@ -69,7 +69,28 @@ class InvalidBlockIdError(InvalidArgumentError):
 
 
 class UnknownRequestError(InvalidArgumentError):
-    """A request id was named that the receiver does not know, or no longer tracks."""
+    """A request id was named that the receiver does not know, or no longer tracks (ERR-004).
+
+    Attributes:
+        request_id: The unknown request id, if given.
+        rank: The worker rank whose report named it, when raised by an aggregator (EXE-003).
+        direction: The transfer direction reported (a ``Direction``), when raised by an
+            aggregator.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        rank: int | None = None,
+        direction: object | None = None,
+        clause: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.rank = rank
+        self.direction = direction
+        super().__init__(message, clause=clause)
 
 
 class MalformedMetadataError(InvalidArgumentError):
@@ -106,6 +127,7 @@ class ReportError(KVSpecError):
     Attributes:
         rank: The worker rank whose report was rejected, if known.
         request_id: The request the report named, if any.
+        direction: The transfer direction reported (a ``Direction``), if any.
     """
 
     def __init__(
@@ -114,10 +136,12 @@ class ReportError(KVSpecError):
         *,
         rank: int | None = None,
         request_id: str | None = None,
+        direction: object | None = None,
         clause: str | None = None,
     ) -> None:
         self.rank = rank
         self.request_id = request_id
+        self.direction = direction
         super().__init__(message, clause=clause)
 
 
