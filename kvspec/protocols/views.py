@@ -410,6 +410,21 @@ class CachedRequestView:
     resumed_from_preemption: bool = attrs.field(default=False, validator=_is(bool))
 
 
+def _new_reqs(value: Iterable[NewRequestView]) -> tuple[NewRequestView, ...]:
+    _check_seq("scheduled_new_reqs", value)
+    return tuple(value)
+
+
+def _cached_reqs(value: Iterable[CachedRequestView]) -> tuple[CachedRequestView, ...]:
+    _check_seq("scheduled_cached_reqs", value)
+    return tuple(value)
+
+
+def _check_seq(name: str, value: object) -> None:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be an iterable of views, got {value!r}")
+
+
 @attrs.frozen
 class SchedulerOutputView:
     """What one scheduler step decided, as the connector's scheduler and worker roles see it.
@@ -428,9 +443,9 @@ class SchedulerOutputView:
     """
 
     step_id: int = attrs.field(validator=_v_nonneg)
-    scheduled_new_reqs: tuple[NewRequestView, ...] = attrs.field(default=(), converter=tuple)
+    scheduled_new_reqs: tuple[NewRequestView, ...] = attrs.field(default=(), converter=_new_reqs)
     scheduled_cached_reqs: tuple[CachedRequestView, ...] = attrs.field(
-        default=(), converter=tuple
+        default=(), converter=_cached_reqs
     )
     num_scheduled_tokens: Mapping[str, int] = attrs.field(factory=dict, converter=_token_counts)
     finished_req_ids: frozenset[str] = attrs.field(factory=frozenset, converter=_id_set)

@@ -1,0 +1,237 @@
+"""Worker groups: one rank in the engine's process, or one process per rank.
+
+Process workers talk JSON over pipes (``send_bytes``/``recv_bytes``): the engine never
+unpickles what a worker sends (ERR-006), every wait has a timeout (ERR-007), and shutdown
+kills a worker that does not exit in time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from kvspec.protocols import (
+    ConnectorFactory,
+    ConnectorMetadata,
+    ContractViolation,
+    HandshakeMetadata,
+    KVConnectorOutput,
+    KVSpecError,
+    TransferTimeoutError,
+)
+
+from ._worker import WorkerRuntime, decode_meta, encode_meta
+from .config import HarnessConfig
+
+__all__ = ["InProcessWorkers", "ProcessWorkers", "WorkerGroup"]
+
+StepResult = tuple[list[KVConnectorOutput], list[dict[str, str]]]
+
+
+class WorkerGroup(Protocol):
+    """The engine's view of its worker ranks."""
+
+    def handshakes(self) -> dict[int, HandshakeMetadata | None]:
+        """Each rank's handshake metadata (HSK-002)."""
+        ...
+
+    def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> StepResult:
+        """Run one step on every rank; outputs in rank order and violations observed."""
+        ...
+
+    def shutdown(self) -> None:
+        """Shut every rank down, within a bounded time."""
+        ...
+
+
+def _roundtrip(meta: ConnectorMetadata) -> str:
+    try:
+        text = encode_meta(meta)
+        decode_meta(type(meta), text)
+    except KVSpecError:
+        raise
+    except Exception as e:  # the connector's own codec failed
+        raise ContractViolation(
+            "ERR-005", observed=f"{type(meta).__name__} failed to encode and decode: {e!r}",
+            expected="metadata that decodes from its own encoding",
+        ) from e
+    return text
+
+
+class InProcessWorkers:
+    """TP 1: the single rank runs in the engine's process."""
+
+    def __init__(self, factory: ConnectorFactory, config: HarnessConfig, tmpdir: str) -> None:
+        self.runtime = WorkerRuntime(factory, config, 0, tmpdir)
+        self.runtime.register()
+
+    def handshakes(self) -> dict[int, HandshakeMetadata | None]:
+        """Rank 0's handshake metadata."""
+        return {0: self.runtime.connector.get_handshake_metadata()}
+
+    def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> StepResult:
+        """Encode and decode the metadata as if it crossed a process, then run the step."""
+        decoded = decode_meta(type(meta), _roundtrip(meta))
+        out, violations = self.runtime.step(msg, decoded)
+        return [out], violations
+
+    def shutdown(self) -> None:
+        """Shut the rank down."""
+        self.runtime.shutdown()
+
+
+def _import(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker process
+    """Entry point of a worker process: ``python -m kvspec.conformance.harness._worker_main IN OUT``.
+
+    Reads an init message (factory spec, config, rank, tmpdir, sys.path), then serves step
+    and shutdown messages, all JSON, on the two inherited pipe fds.
+    """
+    conn_in = Connection(int(argv[0]), writable=False)
+    conn_out = Connection(int(argv[1]), readable=False)
+    try:
+        init = json.loads(conn_in.recv_bytes())
+        sys.path[:] = init["path"]
+        factory = _import(init["factory"])
+        if isinstance(factory, type):
+            factory = factory()
+        config = HarnessConfig.from_plain(init["config"])
+        rt = WorkerRuntime(factory, config, init["rank"], init["tmpdir"])
+        rt.register()
+        hs = rt.connector.get_handshake_metadata()
+        _send(conn_out, {"ready": True, "handshake": hs.encode().decode() if hs else None})
+        meta_types: dict[str, type[ConnectorMetadata]] = {}
+        while True:
+            req = json.loads(conn_in.recv_bytes())
+            if req["type"] == "shutdown":
+                rt.shutdown()
+                _send(conn_out, {"ok": True})
+                return
+            mt = meta_types.get(req["meta_type"]) or _import(req["meta_type"])
+            meta_types[req["meta_type"]] = mt
+            out, violations = rt.step(req["msg"], decode_meta(mt, req["meta"]))
+            _send(conn_out, {"out": out.to_wire(omit_custom=True), "violations": violations})
+    except EOFError:
+        return
+    except BaseException:
+        try:
+            _send(conn_out, {"error": traceback.format_exc()})
+        except Exception:
+            pass
+
+
+class ProcessWorkers:
+    """TP > 1: one ``python -m`` process per rank, JSON over two inherited pipe fds."""
+
+    def __init__(self, factory_spec: str, config: HarnessConfig, tmpdir: str) -> None:
+        self.config = config
+        self.timeout = config.worker_timeout_s
+        self.conns: list[tuple[Connection, Connection]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._handshakes: dict[int, HandshakeMetadata | None] = {}
+        try:
+            for rank in range(config.tp_size):
+                to_child_r, to_child_w = os.pipe()
+                from_child_r, from_child_w = os.pipe()
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "kvspec.conformance.harness._worker_main",
+                     str(to_child_r), str(from_child_w)],
+                    pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
+                )
+                os.close(to_child_r)
+                os.close(from_child_w)
+                self.procs.append(p)
+                self.conns.append((Connection(from_child_r, writable=False),
+                                   Connection(to_child_w, readable=False)))
+                _send(self.conns[rank][1], {
+                    "factory": factory_spec, "config": config.to_plain(), "rank": rank,
+                    "tmpdir": tmpdir, "path": list(sys.path),
+                })
+            for rank in range(config.tp_size):
+                reply = self._recv(rank)
+                hs = reply["handshake"]
+                self._handshakes[rank] = HandshakeMetadata.decode(hs.encode()) if hs else None
+        except BaseException:
+            self._kill()
+            raise
+
+    def _recv(self, rank: int) -> dict[str, Any]:
+        conn = self.conns[rank][0]
+        if not conn.poll(self.timeout):
+            raise TransferTimeoutError(
+                f"worker rank {rank} did not answer within {self.timeout} s", clause="ERR-007"
+            )
+        try:
+            reply: dict[str, Any] = json.loads(conn.recv_bytes())
+        except EOFError:
+            code = self.procs[rank].poll()
+            raise KVSpecError(f"worker rank {rank} died (exit code {code})") from None
+        if "error" in reply:
+            raise KVSpecError(f"worker rank {rank} raised:\n{reply['error']}")
+        return reply
+
+    def handshakes(self) -> dict[int, HandshakeMetadata | None]:
+        """Every rank's handshake metadata, decoded defensively (HSK-005)."""
+        return dict(self._handshakes)
+
+    def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> StepResult:
+        """Send the step to every rank, then collect the outputs in rank order."""
+        text = _roundtrip(meta)
+        meta_type = f"{type(meta).__module__}:{type(meta).__qualname__}"
+        payload = json.dumps({"type": "step", "msg": msg, "meta": text, "meta_type": meta_type})
+        for _, out in self.conns:
+            out.send_bytes(payload.encode())
+        outputs: list[KVConnectorOutput] = []
+        violations: list[dict[str, str]] = []
+        for rank in range(len(self.conns)):
+            reply = self._recv(rank)
+            outputs.append(KVConnectorOutput.from_wire(reply["out"]))
+            violations += reply["violations"]
+        return outputs, violations
+
+    def shutdown(self) -> None:
+        """Ask every rank to shut down; kill any that does not within the timeout."""
+        try:
+            for _, out in self.conns:
+                try:
+                    _send(out, {"type": "shutdown"})
+                except (BrokenPipeError, OSError):
+                    pass
+            for rank in range(len(self.conns)):
+                try:
+                    self._recv(rank)
+                except KVSpecError:
+                    pass
+        finally:
+            self._kill()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout=self.timeout / 10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        for pair in self.conns:
+            for conn in pair:
+                conn.close()
+        self.procs, self.conns = [], []
+

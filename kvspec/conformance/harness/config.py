@@ -1,0 +1,157 @@
+"""Configuration of one harness engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from kvspec.protocols import (
+    EngineConfigView,
+    InvalidArgumentError,
+    KVCacheLayout,
+    KVPacking,
+    StrideOrder,
+    TransferRole,
+    freeze_params,
+)
+
+__all__ = ["HarnessConfig"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _order(value: StrideOrder | str) -> StrideOrder:
+    return value if isinstance(value, StrideOrder) else StrideOrder.parse(value)
+
+
+def _extra(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return freeze_params(value, "extra") or {}
+
+
+@attrs.frozen
+class HarnessConfig:
+    """Everything that shapes one harness engine: model, KV layout, parallelism, scheduling.
+
+    Attributes:
+        num_layers: Attention layers of the toy model.
+        num_heads: KV heads of the whole model; TP ranks hold ``num_heads // tp_size`` each.
+        head_size: Channels of K and of V per head.
+        block_size: Tokens per block.
+        num_blocks: The physical block budget per rank (LAY-003).
+        extra_capacity: Blocks the tensors hold beyond the budget (kvcached over-allocation).
+        order: Stride order of the KV tensors (LAY-001).
+        packing: K/V concatenated or split (LAY-002).
+        dtype: Name of the KV dtype: bfloat16, float16 or float32.
+        page_padding: Padding elements per page (LAY-004).
+        restridable: Whether the tensors may be re-strided (LAY-009).
+        tp_size: Tensor-parallel ranks; above 1 the workers are separate processes.
+        async_scheduling: Build step N+1's metadata before step N's output arrives (SCH-014).
+        prefix_caching: The engine's own prefix cache.
+        max_tokens_per_step: Token budget of one step (chunked prefill).
+        transfer_timeout_s: How long an awaited transfer may stay unreported before the
+            harness calls it lost (SCH-016, SCH-021, SCH-023).
+        worker_timeout_s: Bound on every wait for a worker process (ERR-007).
+        engine_id: The engine's id.
+        role: Producer, consumer or both.
+        extra: Connector configuration passed in ``EngineConfigView.extra``.
+    """
+
+    num_layers: int = 2
+    num_heads: int = 4
+    head_size: int = 4
+    block_size: int = 4
+    num_blocks: int = 48
+    extra_capacity: int = 0
+    order: StrideOrder = attrs.field(default=StrideOrder.LBNHC, converter=_order)
+    packing: KVPacking = KVPacking.CONCAT
+    dtype: str = "bfloat16"
+    page_padding: int = 0
+    restridable: bool = True
+    tp_size: int = 1
+    async_scheduling: bool = False
+    prefix_caching: bool = True
+    max_tokens_per_step: int = 32
+    transfer_timeout_s: float = 10.0
+    worker_timeout_s: float = 60.0
+    engine_id: str = "engine-0"
+    role: TransferRole = TransferRole.BOTH
+    extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_size", "block_size", "num_blocks",
+                     "tp_size", "max_tokens_per_step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"HarnessConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("extra_capacity", "page_padding"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"HarnessConfig.{name} must be an int >= 0, got {v!r}")
+        if self.num_heads % self.tp_size:
+            raise InvalidArgumentError(
+                f"num_heads {self.num_heads} is not divisible by tp_size {self.tp_size}"
+            )
+        if self.dtype not in _DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.packing, KVPacking):
+            raise InvalidArgumentError(f"packing must be a KVPacking, got {self.packing!r}")
+        if not isinstance(self.role, TransferRole):
+            raise InvalidArgumentError(f"role must be a TransferRole, got {self.role!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The KV dtype."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def heads_per_rank(self) -> int:
+        """KV heads held by each TP rank."""
+        return self.num_heads // self.tp_size
+
+    def layout(self) -> KVCacheLayout:
+        """The layout descriptor of one rank's KV tensors."""
+        return KVCacheLayout.contiguous(
+            self.order, self.packing, self.torch_dtype, self.num_layers, self.num_blocks,
+            self.block_size, self.heads_per_rank, self.head_size,
+            block_capacity=self.num_blocks + self.extra_capacity,
+            page_padding_elems=self.page_padding, restridable=self.restridable,
+        )
+
+    def engine_view(self, tmpdir: str) -> EngineConfigView:
+        """What the connector factory receives; ``tmpdir`` becomes ``extra['kvspec.tmpdir']``."""
+        return EngineConfigView(
+            engine_id=self.engine_id, role=self.role, num_layers=self.num_layers,
+            block_size=self.block_size, num_blocks=self.num_blocks, tp_size=self.tp_size,
+            extra={**self.extra, "kvspec.tmpdir": tmpdir},
+        )
+
+    def to_plain(self) -> dict[str, Any]:
+        """Plain data for worker processes (never pickled, ERR-006)."""
+        out: dict[str, Any] = {}
+        for f in attrs.fields(HarnessConfig):
+            v = getattr(self, f.name)
+            if isinstance(v, (StrideOrder, KVPacking, TransferRole)):
+                v = v.value
+            elif f.name == "extra":
+                v = _plain(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any]) -> HarnessConfig:
+        """Inverse of :meth:`to_plain`."""
+        d = dict(data)
+        d["packing"] = KVPacking(d["packing"])
+        d["role"] = TransferRole(d["role"])
+        return cls(**d)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value

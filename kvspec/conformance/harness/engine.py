@@ -1,0 +1,662 @@
+"""The reference engine: a small, real scheduler, executor and workers that drive a connector.
+
+The engine follows docs/spec/state-machines.md: it matches, allocates, builds metadata every
+step (zero-token steps included), runs the toy forward on every rank, aggregates the ranks'
+outputs, frees blocks only when the aggregate says so, and observes the connector's side of
+every clause it can. A broken clause ends the run with :class:`ContractViolation` carrying
+the clause, what the connector did, what was expected, and a ``reproduce`` text naming the
+configuration, the workload and the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
+
+import attrs
+
+from kvspec.protocols import (
+    AllocatedBlocks,
+    CachedRequestView,
+    ConnectorFactory,
+    ConnectorMetadata,
+    ContractViolation,
+    Direction,
+    DoubleReportError,
+    ExecutorConnector,
+    InvalidArgumentError,
+    KVCacheEvent,
+    KVConnectorOutput,
+    NewRequestView,
+    ReportError,
+    RequestStatus,
+    RequestView,
+    SchedulerConnector,
+    SchedulerOutputView,
+    StandardAggregator,
+    UnknownRequestError,
+    check_transition,
+    freeze_params,
+)
+
+from ._blockpool import BlockPool, block_hashes
+from ._toymodel import ToyModel, tenant_seed
+from ._workers import InProcessWorkers, ProcessWorkers, WorkerGroup
+from .config import HarnessConfig
+from .workload import RequestSpec, Workload
+
+__all__ = ["Engine", "RunResult"]
+
+_S = RequestStatus
+
+
+@attrs.define
+class _Req:
+    spec: RequestSpec
+    tokens: tuple[int, ...]
+    seed: int
+    hashes: list[bytes]
+    status: RequestStatus = _S.WAITING
+    num_computed: int = 0
+    blocks: list[int] = attrs.Factory(list)
+    ext: tuple[int, int] = (0, 0)
+    recv_done: bool = False
+    aborted: bool = False
+    finished_called: bool = False
+    delay_send: bool = False
+    invalid_named: bool = False
+    params: Mapping[str, Any] | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.prompt)
+
+    @property
+    def target(self) -> int:
+        """Tokens whose KV is computed: all but the last generated one."""
+        return len(self.tokens) - 1
+
+
+@attrs.frozen
+class RunResult:
+    """What one run did, for tests to assert on.
+
+    Attributes:
+        steps: Steps executed.
+        finished: Requests that finished normally.
+        aborted: Requests that were aborted.
+        transfer_params: kv_transfer_params returned by request_finished, per request.
+        external_tokens: Tokens each request got from the connector (sync and async).
+        events: KV-cache events taken from the scheduler role.
+        preemptions: Number of preemptions.
+    """
+
+    steps: int
+    finished: tuple[str, ...]
+    aborted: tuple[str, ...]
+    transfer_params: Mapping[str, Mapping[str, Any] | None]
+    external_tokens: Mapping[str, int]
+    events: tuple[KVCacheEvent, ...]
+    preemptions: int
+
+
+class Engine:
+    """One engine serving workloads through a connector.
+
+    Args:
+        factory: The connector under test.
+        config: Engine configuration; defaults to :class:`HarnessConfig()`.
+        tmpdir: Directory handed to the connector as ``extra['kvspec.tmpdir']``; a fresh
+            one is made (and removed at shutdown) when None.
+        factory_spec: Import path of the factory for worker processes (TP > 1); derived
+            from the factory's class when None.
+    """
+
+    def __init__(
+        self, factory: ConnectorFactory, config: HarnessConfig | None = None, *,
+        tmpdir: str | None = None, factory_spec: str | None = None,
+    ) -> None:
+        self.config = config or HarnessConfig()
+        self.factory = factory
+        self.caps = factory.capabilities
+        self._own_tmp = tmpdir is None
+        self.tmpdir = tmpdir or tempfile.mkdtemp(prefix="kvspec-harness-")
+        self._threads_before = threading.active_count()
+        view = self.config.engine_view(self.tmpdir)
+        self.scheduler: SchedulerConnector = factory.create_scheduler(view)
+        executor = factory.create_executor(view)
+        if executor is None:
+            executor = StandardAggregator(
+                self.config.tp_size, expected_count=self._finished_count()
+            )
+        self.executor: ExecutorConnector = executor
+        spec = factory_spec or f"{type(factory).__module__}:{type(factory).__qualname__}"
+        self.workers: WorkerGroup = (
+            InProcessWorkers(factory, self.config, self.tmpdir) if self.config.tp_size == 1
+            else ProcessWorkers(spec, self.config, self.tmpdir)
+        )
+        self.pool = BlockPool(self.config.num_blocks, prefix_caching=self.config.prefix_caching)
+        self.model = ToyModel(self.config.num_layers, self.config.num_heads,
+                              self.config.head_size, self.config.head_size)
+        self.requests: dict[str, _Req] = {}
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self.remote: dict[str, _Req] = {}
+        self.held: dict[str, list[int]] = {}
+        self.awaited: dict[tuple[str, Direction], tuple[int, float]] = {}
+        self.step_id = -1
+        self._poison_freed: list[int] = []
+        self._poison_alloc: list[int] = []
+        self._finished_ids: list[str] = []
+        self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]]] | None = None
+        self._seeds: set[int] = set()
+        self._events: list[KVCacheEvent] = []
+        self._external: dict[str, int] = {}
+        self._preemptions = 0
+        self.workload: Workload | None = None
+        self._closed = False
+        handshakes = self.workers.handshakes()
+        if any(h is not None for h in handshakes.values()):
+            self.scheduler.set_xfer_handshake_metadata(
+                {r: h for r, h in handshakes.items() if h is not None}
+            )
+
+    def _finished_count(self) -> int | None:
+        count = self.scheduler.get_finished_count()
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                                  or not 1 <= count <= self.config.tp_size):
+            self._violate("EXE-008", f"get_finished_count() returned {count!r}",
+                          f"None or an int between 1 and the {self.config.tp_size} ranks")
+        return count
+
+    # -- public API ------------------------------------------------------------------------
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Add a request to the waiting queue."""
+        if spec.request_id in self.requests:
+            raise InvalidArgumentError(f"request {spec.request_id!r} was already added")
+        seed = tenant_seed(spec.cache_salt, spec.lora_id)
+        self._seeds.add(seed)
+        tokens = self.model.generate(spec.prompt, seed, spec.max_new_tokens)
+        r = _Req(spec, tokens, seed, block_hashes(tokens, self.config.block_size,
+                                                  spec.cache_salt, spec.lora_id))
+        self.requests[spec.request_id] = r
+        self.waiting.append(r)
+        self.scheduler.on_new_request(self._view(r))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in whatever state it is (SCH-015, SCH-021)."""
+        r = self.requests[request_id]
+        if r.status in (_S.FINISHED, _S.ABORTED) or r.finished_called:
+            return
+        r.aborted = True
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._finish(r)
+
+    @property
+    def idle(self) -> bool:
+        """True when no request is unfinished, no transfer awaited and no step in flight."""
+        return (not self.waiting and not self.running and not self.remote
+                and not self.awaited and self._inflight is None)
+
+    def run(self, workload: Workload, *, max_steps: int = 500) -> RunResult:
+        """Serve a workload to completion and return what happened."""
+        self.workload = workload
+        arrivals: dict[int, list[RequestSpec]] = {}
+        aborts: dict[int, list[str]] = {}
+        for spec in workload.requests:
+            arrivals.setdefault(spec.arrival_step, []).append(spec)
+            if spec.abort_at_step is not None:
+                aborts.setdefault(spec.abort_at_step, []).append(spec.request_id)
+        last = max([*arrivals, *aborts, 0])
+        for i in itertools.count():
+            for spec in arrivals.get(i, ()):
+                self.add_request(spec)
+            for rid in aborts.get(i, ()):
+                self.abort(rid)
+            if i > last and self.idle:
+                break
+            if i >= max_steps:
+                raise AssertionError(
+                    f"harness: workload {workload.name!r} did not finish in {max_steps} steps"
+                )
+            self.step()
+        self.drain()
+        done = [r for r in self.requests.values()]
+        return RunResult(
+            steps=self.step_id + 1,
+            finished=tuple(r.rid for r in done if r.status is _S.FINISHED),
+            aborted=tuple(r.rid for r in done if r.status is _S.ABORTED),
+            transfer_params={r.rid: r.params for r in done},
+            external_tokens=dict(self._external),
+            events=tuple(self._events),
+            preemptions=self._preemptions,
+        )
+
+    def drain(self) -> None:
+        """Step until nothing is in flight (the async pipeline empties)."""
+        while self._inflight is not None or self.awaited:
+            self.step()
+
+    def shutdown(self) -> None:
+        """Shut down every role twice (idempotence, SCH-027, WRK-015) and check for leaks."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.workers.shutdown()
+            self.scheduler.shutdown()
+            self.scheduler.shutdown()
+        finally:
+            if self._own_tmp:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+        deadline = time.monotonic() + 2.0
+        while threading.active_count() > self._threads_before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if threading.active_count() > self._threads_before:
+            leaked = [t.name for t in threading.enumerate()][self._threads_before:]
+            self._violate("WRK-015", f"threads still alive after shutdown: {leaked}",
+                          "shutdown releases every thread the connector started")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- one step --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Schedule, build metadata, (in async mode: process the previous output), execute."""
+        self.step_id += 1
+        out_view, plans = self._schedule()
+        meta = self._build_meta(out_view)
+        if self.config.async_scheduling and self._inflight is not None:
+            self._process(*self._inflight)
+            self._inflight = None
+        msg = {
+            "step": self.step_id,
+            "poison_freed": self._take(self._poison_freed),
+            "poison_alloc": self._take(self._poison_alloc),
+            "preempted": sorted(out_view.preempted_req_ids),
+            "finished": sorted(out_view.finished_req_ids),
+            "reqs": plans,
+        }
+        result = self.workers.step(msg, meta)
+        busy = plans or self.awaited or self.waiting or self.running or self.remote
+        if self.config.async_scheduling and busy:
+            self._inflight = result  # processed after the next step's metadata (SCH-014)
+        else:
+            self._process(*result)
+        self._check_awaited()
+        if not plans and self.awaited:
+            time.sleep(0.001)  # let the connector's transfers progress
+
+    @staticmethod
+    def _take(items: list[int]) -> list[int]:
+        out = sorted(set(items))
+        items.clear()
+        return out
+
+    def _schedule(self) -> tuple[SchedulerOutputView, list[dict[str, Any]]]:
+        budget = self.config.max_tokens_per_step
+        new: list[NewRequestView] = []
+        cached: list[CachedRequestView] = []
+        counts: dict[str, int] = {}
+        plans: list[dict[str, Any]] = []
+        preempted: list[str] = []
+
+        def plan(r: _Req, start: int, n: int) -> None:
+            counts[r.rid] = n
+            plans.append({
+                "id": r.rid, "tokens": list(r.tokens[: start + n]), "seed": r.seed,
+                "blocks": list(r.blocks), "start": start, "n": n, "ext": list(r.ext),
+                "other_seeds": sorted(self._seeds - {r.seed}),
+            })
+
+        for r in list(self.running):
+            if budget == 0:
+                break
+            if r not in self.running:
+                continue  # preempted earlier in this loop
+            n = self._chunk(r, r.num_computed, budget)
+            if n <= 0:
+                continue
+            before = len(r.blocks)
+            if not self._grow(r, r.num_computed + n, preempted, counts):
+                continue
+            start = r.num_computed
+            cached.append(CachedRequestView(
+                r.rid, AllocatedBlocks.single(r.blocks[before:]), start,
+                new_token_ids=r.tokens[start : start + n],
+            ))
+            plan(r, start, n)
+            r.num_computed += n
+            budget -= n
+
+        for r in list(self.waiting):
+            if budget == 0 or preempted:
+                break
+            if r.recv_done:
+                local, ext = r.num_computed, 0
+            else:
+                local = self._local_hit(r)
+                answer = self._match(r, local)
+                if answer is None:
+                    continue  # SCH-003: deferred, asked again next step
+                ext, is_async = answer
+                if is_async:
+                    if not self._admit(r, local, local + ext):
+                        break
+                    self._to_remote(r, local, ext)
+                    continue
+            n = self._chunk(r, local + ext, budget)
+            if not self._admit(r, local, local + ext + n):
+                break
+            if not r.recv_done:
+                r.ext = (local, local + ext)
+            self._update_after_alloc(r, ext)
+            if ext:
+                self._external[r.rid] = self._external.get(r.rid, 0) + ext
+            self.waiting.remove(r)
+            self._transition(r, _S.RUNNING)
+            self.running.append(r)
+            r.num_computed = local + ext
+            new.append(NewRequestView(self._view(r), AllocatedBlocks.single(r.blocks),
+                                      r.num_computed))
+            plan(r, r.num_computed, n)
+            r.num_computed += n
+            budget -= n
+
+        out = SchedulerOutputView(
+            self.step_id, tuple(new), tuple(cached), counts,
+            finished_req_ids=self._finished_ids, preempted_req_ids=preempted,
+        )
+        self._finished_ids = []
+        return out, plans
+
+    # -- scheduling helpers ----------------------------------------------------------------
+
+    @staticmethod
+    def _chunk(r: _Req, computed: int, budget: int) -> int:
+        """Tokens to schedule: the rest of the prompt (chunked), then one token per step."""
+        if computed < r.prompt_len:
+            return min(r.prompt_len - computed, budget)
+        return min(1, r.target - computed, budget)
+
+    def _local_hit(self, r: _Req) -> int:
+        bs = self.config.block_size
+        cap = (r.prompt_len - 1) // bs
+        hits = self.pool.lookup(r.hashes[:cap])
+        return len(hits) * bs
+
+    def _admit(self, r: _Req, local: int, tokens: int) -> bool:
+        """Take the local hit's blocks and allocate up to ``tokens``; False if no room."""
+        bs = self.config.block_size
+        if not r.recv_done:
+            hits = self.pool.lookup(r.hashes[: local // bs])
+            need = math.ceil(tokens / bs) - len(hits)
+            new = self.pool.allocate(max(0, need))
+            if new is None:
+                return False
+            self.pool.touch(hits)
+            r.blocks = hits + new
+        else:
+            need = math.ceil(tokens / bs) - len(r.blocks)
+            new = self.pool.allocate(max(0, need))
+            if new is None:
+                return False
+            r.blocks += new
+        self._poison_alloc += new
+        return True
+
+    def _grow(self, r: _Req, tokens: int, preempted: list[str], scheduled: Mapping[str, int]) -> bool:
+        """Give a running request blocks for ``tokens``, preempting others if needed."""
+        need = math.ceil(tokens / self.config.block_size) - len(r.blocks)
+        while need > self.pool.num_free:
+            victims = [v for v in self.running if v is not r and v.rid not in scheduled]
+            victim = victims[-1] if victims else r
+            self._preempt(victim, preempted)
+            if victim is r:
+                return False
+        new = self.pool.allocate(max(0, need)) or []
+        r.blocks += new
+        self._poison_alloc += new
+        return True
+
+    def _preempt(self, r: _Req, preempted: list[str]) -> None:
+        self.running.remove(r)
+        self._poison_freed += self.pool.free(r.blocks)
+        r.blocks, r.num_computed, r.ext, r.recv_done = [], 0, (0, 0), False
+        self._transition(r, _S.PREEMPTED)
+        self._transition(r, _S.WAITING)
+        self.waiting.appendleft(r)
+        preempted.append(r.rid)
+        self._preemptions += 1
+
+    def _to_remote(self, r: _Req, local: int, ext: int) -> None:
+        r.ext = (local, local + ext)
+        r.num_computed = local
+        self._update_after_alloc(r, ext)
+        self.waiting.remove(r)
+        self._transition(r, _S.WAITING_FOR_REMOTE_KV)
+        self.remote[r.rid] = r
+        self._expect(r.rid, Direction.RECV)
+
+    def _expect(self, rid: str, direction: Direction) -> None:
+        self.executor.expect(rid, direction)
+        self.awaited[(rid, direction)] = (self.step_id, time.monotonic())
+
+    def _transition(self, r: _Req, new: RequestStatus) -> None:
+        check_transition(r.rid, r.status, new)
+        r.status = new
+
+    # -- connector calls with checks -------------------------------------------------------
+
+    def _view(self, r: _Req, computed: int | None = None) -> RequestView:
+        done = r.num_computed if computed is None else computed
+        n_out = max(0, min(done - r.prompt_len + 1, r.spec.max_new_tokens))
+        visible = r.prompt_len + n_out
+        return RequestView(
+            r.rid, r.spec.prompt, output_token_ids=r.tokens[r.prompt_len : visible],
+            block_hashes=tuple(r.hashes[: visible // self.config.block_size]),
+            cache_salt=r.spec.cache_salt, lora_id=r.spec.lora_id,
+            kv_transfer_params=r.spec.kv_transfer_params, status=r.status,
+            num_computed_tokens=min(done, visible),
+        )
+
+    def _match(self, r: _Req, local: int) -> tuple[int, bool] | None:
+        view = self._view(r, local)
+        first: object = self.scheduler.get_num_new_matched_tokens(view, local)
+        again: object = self.scheduler.get_num_new_matched_tokens(view, local)
+        if first != again:
+            self._violate("SCH-001", f"get_num_new_matched_tokens({r.rid!r}, {local}) answered "
+                          f"{first!r} and then {again!r}", "the same answer for the same request, "
+                          "and no state change from asking")
+        if not (isinstance(first, tuple) and len(first) == 2 and isinstance(first[1], bool)):
+            self._violate("SCH-004", f"get_num_new_matched_tokens returned {first!r}",
+                          "a tuple (int or None, bool)")
+        count, is_async = first
+        assert isinstance(is_async, bool)
+        if count is None:
+            if is_async:
+                self._violate("SCH-004", f"deferred match (None) for {r.rid!r} with load_async=True",
+                              "load_async False when the count is None")
+            return None
+        room = r.prompt_len - local
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= room:
+            self._violate("SCH-004", f"match count {count!r} for {r.rid!r} with {local} computed "
+                          f"of {r.prompt_len} prompt tokens", f"an int in [0, {room}]")
+        if count == 0 and is_async:
+            self._violate("SCH-004", f"get_num_new_matched_tokens({r.rid!r}) returned (0, True)",
+                          "load_async False when nothing matched")
+        if local + count > r.prompt_len - 1:
+            self._violate("SCH-005", f"{r.rid!r}: {local} computed + {count} matched tokens cover "
+                          f"the whole {r.prompt_len}-token prompt",
+                          f"at most {r.prompt_len - 1 - local} matched tokens (one left to compute)")
+        return count, is_async
+
+    def _update_after_alloc(self, r: _Req, ext: int) -> None:
+        self.scheduler.update_state_after_alloc(self._view(r, r.ext[0] if not r.recv_done else None),
+                                                AllocatedBlocks.single(r.blocks), ext)
+
+    def _build_meta(self, out: SchedulerOutputView) -> ConnectorMetadata:
+        before = repr(out)
+        meta: object = self.scheduler.build_connector_meta(out)
+        if repr(out) != before:
+            self._violate("SCH-012", "build_connector_meta changed the scheduler output",
+                          "the scheduler output left untouched")
+        if not isinstance(meta, ConnectorMetadata):
+            self._violate("ERR-006", f"build_connector_meta returned {type(meta).__name__}, "
+                          "which has no encode()/decode()", "metadata that encodes itself to bytes")
+        return meta
+
+    def _finish(self, r: _Req) -> None:
+        """request_finished, then free now or hold (SCH-015..SCH-018, SCH-021)."""
+        if r.finished_called:
+            raise AssertionError(f"harness bug: request_finished twice for {r.rid}")
+        r.finished_called = True
+        self._finished_ids.append(r.rid)
+        answer: object = self.scheduler.request_finished(self._view(r), tuple(r.blocks))
+        if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
+            self._violate("SCH-016", f"request_finished({r.rid!r}) returned {answer!r}",
+                          "a tuple (bool, params or None)")
+        delay, params = answer
+        assert isinstance(delay, bool)
+        try:
+            r.params = freeze_params(params)
+        except InvalidArgumentError as e:
+            self._violate("SCH-018", f"request_finished({r.rid!r}) returned params: {e.message}",
+                          "None or a mapping of JSON-representable values")
+        r.delay_send = delay
+        final = _S.ABORTED if r.aborted else _S.FINISHED
+        if r.rid in self.remote:
+            self._transition(r, final)  # blocks stay with the load until finished_recving (SCH-021)
+            return
+        if r in self.running:
+            self.running.remove(r)
+        self._transition(r, final)
+        self._release(r)
+
+    def _release(self, r: _Req) -> None:
+        if r.delay_send:
+            self.held[r.rid] = r.blocks
+            self._expect(r.rid, Direction.SEND)
+        else:
+            self._poison_freed += self.pool.free(r.blocks)
+        r.blocks = []
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def _process(self, outputs: list[KVConnectorOutput], violations: list[dict[str, str]]) -> None:
+        if violations:
+            v = violations[0]
+            self._violate(v["clause"], v["observed"], v["expected"])
+        try:
+            agg = self.executor.aggregate(outputs)
+        except DoubleReportError as e:
+            self._violate("WRK-009", e.message, "each rank reports a request once per direction")
+        except UnknownRequestError as e:
+            self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
+        except ReportError as e:
+            self._violate(e.clause or "EXE-008", e.message, "consistent reports")
+        self.scheduler.update_connector_output(agg)
+        for ev in self.scheduler.take_events():
+            if not isinstance(ev, KVCacheEvent.__args__):  # type: ignore[attr-defined]
+                self._violate("EVT-005", f"take_events yielded {ev!r}", "KV-cache event objects")
+            self._events.append(ev)
+        self._apply_invalid(agg.invalid_block_ids)
+        for rid in sorted(agg.finished_recving):
+            self._recv_done(rid, failed=rid in agg.failed_recving)
+        for rid in sorted(agg.finished_sending):
+            self.awaited.pop((rid, Direction.SEND), None)
+            blocks = self.held.pop(rid, None)
+            if blocks is None:
+                raise AssertionError(f"harness bug: finished_sending for {rid} with no held blocks")
+            self._poison_freed += self.pool.free(blocks)
+        for r in list(self.running):
+            self._cache_computed(r)
+            if r.num_computed >= r.target:
+                self._finish(r)
+
+    def _recv_done(self, rid: str, *, failed: bool) -> None:
+        self.awaited.pop((rid, Direction.RECV), None)
+        r = self.remote.pop(rid)
+        if r.finished_called:  # aborted while loading: release now (SCH-021)
+            self._release(r)
+            return
+        start, end = r.ext  # end already cut at the first invalid block (SCH-024)
+        if failed and not r.invalid_named:
+            end = start  # a failure that named no block: recompute the whole load
+        r.num_computed = end
+        r.recv_done = True
+        self._external[rid] = self._external.get(rid, 0) + (end - start)
+        r.ext = (start, end)
+        self._transition(r, _S.WAITING)
+        self.waiting.appendleft(r)
+
+    def _apply_invalid(self, invalid: Iterable[int]) -> None:
+        bad = set(invalid)
+        if not bad:
+            return
+        bs = self.config.block_size
+        for b in bad:
+            if not 0 <= b < self.config.num_blocks:
+                self._violate("LAY-012", f"invalid block id {b} reported",
+                              f"block ids in [0, {self.config.num_blocks})")
+            self.pool.uncache(b)
+        for r in itertools.chain(self.running, self.remote.values()):
+            idx = [i for i, b in enumerate(r.blocks) if b in bad]
+            if idx:
+                first = idx[0] * bs
+                if r.rid in self.remote:
+                    r.ext = (r.ext[0], max(r.ext[0], min(r.ext[1], first)))
+                    r.invalid_named = True
+                else:
+                    r.num_computed = min(r.num_computed, first)
+
+    def _cache_computed(self, r: _Req) -> None:
+        full = min(r.num_computed, len(r.tokens)) // self.config.block_size
+        for i in range(min(full, len(r.blocks), len(r.hashes))):
+            self.pool.cache(r.blocks[i], r.hashes[i])
+
+    def _check_awaited(self) -> None:
+        now = time.monotonic()
+        for (rid, direction), (since_step, since) in list(self.awaited.items()):
+            if now - since > self.config.transfer_timeout_s and self.step_id - since_step > 3:
+                r = self.requests[rid]
+                if direction is Direction.SEND:
+                    self._violate("SCH-016", f"request_finished({rid!r}) returned True but no rank "
+                                  f"reported finished_sending within {self.config.transfer_timeout_s}"
+                                  f" s ({self.step_id - since_step} steps)",
+                                  "finished_sending from every rank once the blocks are no longer read")
+                clause = "SCH-021" if r.aborted else "SCH-023"
+                self._violate(clause, f"{rid!r} ({'aborted while ' if r.aborted else ''}waiting for "
+                              f"remote KV) was not reported in finished_recving by every rank within "
+                              f"{self.config.transfer_timeout_s} s ({self.step_id - since_step} steps)",
+                              "finished_recving from every rank for every started load, even "
+                              "failed or aborted ones")
+
+    def _violate(self, clause: str, observed: str, expected: str) -> NoReturn:
+        err = ContractViolation(clause, observed=observed, expected=expected)
+        err.reproduce = self._reproduce()  # type: ignore[attr-defined]
+        raise err
+
+    def _reproduce(self) -> str:
+        cfg = ", ".join(f"{k}={v!r}" for k, v in attrs.asdict(self.config, recurse=False).items()
+                        if v != attrs.fields_dict(HarnessConfig)[k].default)
+        wl = self.workload.describe() if self.workload else "(requests added by hand)"
+        return (f"at step {self.step_id} of Engine({self.factory.name!r}, HarnessConfig({cfg}))\n"
+                f"  .run({wl})")
