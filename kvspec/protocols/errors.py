@@ -180,11 +180,15 @@ class ContractViolation(KVSpecError):
         clause: The clause that was broken (always set).
         observed: What the connector did.
         expected: What the clause requires.
+        reproduce: How to reproduce it (configuration, workload, step), if known.
     """
 
-    def __init__(self, clause: str, *, observed: str, expected: str) -> None:
+    def __init__(
+        self, clause: str, *, observed: str, expected: str, reproduce: str | None = None
+    ) -> None:
         if not isinstance(clause, str) or not clause:
             raise TypeError("ContractViolation needs the ID of the clause that was broken")
         self.observed = observed
         self.expected = expected
+        self.reproduce = reproduce
         super().__init__(f"observed: {observed}; expected: {expected}", clause=clause)

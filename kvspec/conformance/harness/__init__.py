@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from .config import HarnessConfig
 from .engine import Engine, RunResult
+from .pd import run_disaggregated
 from .workload import RequestSpec, Workload, workloads
 
-__all__ = ["Engine", "HarnessConfig", "RequestSpec", "RunResult", "Workload", "workloads"]
+__all__ = [
+    "Engine", "HarnessConfig", "RequestSpec", "RunResult", "Workload", "run_disaggregated", "workloads",
+]

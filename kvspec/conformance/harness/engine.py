@@ -64,7 +64,8 @@ class _Req:
     seed: int
     hashes: list[bytes]
     status: RequestStatus = _S.WAITING
-    num_computed: int = 0
+    num_computed: int = 0  # scheduled, including steps still in flight
+    executed: int = 0  # computed by steps whose output was processed
     blocks: list[int] = attrs.Factory(list)
     ext: tuple[int, int] = (0, 0)
     recv_done: bool = False
@@ -114,6 +115,9 @@ class RunResult:
 class Engine:
     """One engine serving workloads through a connector.
 
+    Several engines may live in one process (two-engine mode); threads the connectors leave
+    behind are checked when the last of them shuts down (WRK-015, ERR-009).
+
     Args:
         factory: The connector under test.
         config: Engine configuration; defaults to :class:`HarnessConfig()`.
@@ -122,6 +126,9 @@ class Engine:
         factory_spec: Import path of the factory for worker processes (TP > 1); derived
             from the factory's class when None.
     """
+
+    _live: list[Engine] = []
+    _baseline: set[int | None] = set()
 
     def __init__(
         self, factory: ConnectorFactory, config: HarnessConfig | None = None, *,
@@ -132,7 +139,9 @@ class Engine:
         self.caps = factory.capabilities
         self._own_tmp = tmpdir is None
         self.tmpdir = tmpdir or tempfile.mkdtemp(prefix="kvspec-harness-")
-        self._threads_before = threading.active_count()
+        if not Engine._live:  # thread leaks are judged against the state before any engine
+            Engine._baseline = {t.ident for t in threading.enumerate()}
+        Engine._live.append(self)
         view = self.config.engine_view(self.tmpdir)
         self.scheduler: SchedulerConnector = factory.create_scheduler(view)
         executor = factory.create_executor(view)
@@ -159,7 +168,8 @@ class Engine:
         self._poison_freed: list[int] = []
         self._poison_alloc: list[int] = []
         self._finished_ids: list[str] = []
-        self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]]] | None = None
+        self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]],
+                              list[dict[str, Any]]] | None = None
         self._seeds: set[int] = set()
         self._events: list[KVCacheEvent] = []
         self._external: dict[str, int] = {}
@@ -234,7 +244,14 @@ class Engine:
                 )
             self.step()
         self.drain()
-        done = [r for r in self.requests.values()]
+        leaked = self.pool.check_all_free()
+        if leaked:
+            raise AssertionError(f"harness bug: blocks {leaked} still referenced after the run")
+        return self.result()
+
+    def result(self) -> RunResult:
+        """What the engine did so far."""
+        done = list(self.requests.values())
         return RunResult(
             steps=self.step_id + 1,
             finished=tuple(r.rid for r in done if r.status is _S.FINISHED),
@@ -262,13 +279,23 @@ class Engine:
         finally:
             if self._own_tmp:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self in Engine._live:
+            Engine._live.remove(self)
+        if Engine._live:
+            return
         deadline = time.monotonic() + 2.0
-        while threading.active_count() > self._threads_before and time.monotonic() < deadline:
+        leaked = self._new_threads()
+        while leaked and time.monotonic() < deadline:
             time.sleep(0.01)
-        if threading.active_count() > self._threads_before:
-            leaked = [t.name for t in threading.enumerate()][self._threads_before:]
+            leaked = self._new_threads()
+        if leaked:
             self._violate("WRK-015", f"threads still alive after shutdown: {leaked}",
                           "shutdown releases every thread the connector started")
+
+    @staticmethod
+    def _new_threads() -> list[str]:
+        return [t.name for t in threading.enumerate()
+                if t.ident not in Engine._baseline and t.is_alive()]
 
     def __enter__(self) -> Engine:
         return self
@@ -294,12 +321,13 @@ class Engine:
             "finished": sorted(out_view.finished_req_ids),
             "reqs": plans,
         }
-        result = self.workers.step(msg, meta)
+        outputs, violations = self.workers.step(msg, meta)
         busy = plans or self.awaited or self.waiting or self.running or self.remote
         if self.config.async_scheduling and busy:
-            self._inflight = result  # processed after the next step's metadata (SCH-014)
+            # processed after the next step's metadata is built (SCH-014)
+            self._inflight = (outputs, violations, plans)
         else:
-            self._process(*result)
+            self._process(outputs, violations, plans)
         self._check_awaited()
         if not plans and self.awaited:
             time.sleep(0.001)  # let the connector's transfers progress
@@ -373,7 +401,7 @@ class Engine:
             self.waiting.remove(r)
             self._transition(r, _S.RUNNING)
             self.running.append(r)
-            r.num_computed = local + ext
+            r.num_computed = r.executed = local + ext
             new.append(NewRequestView(self._view(r), AllocatedBlocks.single(r.blocks),
                                       r.num_computed))
             plan(r, r.num_computed, n)
@@ -407,11 +435,12 @@ class Engine:
         bs = self.config.block_size
         if not r.recv_done:
             hits = self.pool.lookup(r.hashes[: local // bs])
+            self.pool.touch(hits)  # before allocating, or the allocation may evict them
             need = math.ceil(tokens / bs) - len(hits)
             new = self.pool.allocate(max(0, need))
             if new is None:
+                self.pool.free(hits)  # cached blocks: back to evictable, nothing released
                 return False
-            self.pool.touch(hits)
             r.blocks = hits + new
         else:
             need = math.ceil(tokens / bs) - len(r.blocks)
@@ -439,7 +468,7 @@ class Engine:
     def _preempt(self, r: _Req, preempted: list[str]) -> None:
         self.running.remove(r)
         self._poison_freed += self.pool.free(r.blocks)
-        r.blocks, r.num_computed, r.ext, r.recv_done = [], 0, (0, 0), False
+        r.blocks, r.num_computed, r.executed, r.ext, r.recv_done = [], 0, 0, (0, 0), False
         self._transition(r, _S.PREEMPTED)
         self._transition(r, _S.WAITING)
         self.waiting.appendleft(r)
@@ -560,7 +589,12 @@ class Engine:
 
     # -- outputs ---------------------------------------------------------------------------
 
-    def _process(self, outputs: list[KVConnectorOutput], violations: list[dict[str, str]]) -> None:
+    def _process(self, outputs: list[KVConnectorOutput], violations: list[dict[str, str]],
+                 plans: list[dict[str, Any]]) -> None:
+        for p in plans:
+            r = self.requests[p["id"]]
+            if r in self.running:
+                r.executed = max(r.executed, p["start"] + p["n"])
         if violations:
             v = violations[0]
             self._violate(v["clause"], v["observed"], v["expected"])
@@ -588,7 +622,7 @@ class Engine:
             self._poison_freed += self.pool.free(blocks)
         for r in list(self.running):
             self._cache_computed(r)
-            if r.num_computed >= r.target:
+            if r.executed >= r.target:
                 self._finish(r)
 
     def _recv_done(self, rid: str, *, failed: bool) -> None:
@@ -626,9 +660,10 @@ class Engine:
                     r.invalid_named = True
                 else:
                     r.num_computed = min(r.num_computed, first)
+                    r.executed = min(r.executed, first)
 
     def _cache_computed(self, r: _Req) -> None:
-        full = min(r.num_computed, len(r.tokens)) // self.config.block_size
+        full = min(r.executed, len(r.tokens)) // self.config.block_size
         for i in range(min(full, len(r.blocks), len(r.hashes))):
             self.pool.cache(r.blocks[i], r.hashes[i])
 
@@ -650,9 +685,8 @@ class Engine:
                               "failed or aborted ones")
 
     def _violate(self, clause: str, observed: str, expected: str) -> NoReturn:
-        err = ContractViolation(clause, observed=observed, expected=expected)
-        err.reproduce = self._reproduce()  # type: ignore[attr-defined]
-        raise err
+        raise ContractViolation(clause, observed=observed, expected=expected,
+                                reproduce=self._reproduce())
 
     def _reproduce(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in attrs.asdict(self.config, recurse=False).items()

@@ -1,0 +1,75 @@
+"""Fixed scenarios: one workload per trap connector authors have hit (BRIEF section 1).
+
+Each is small enough to run in milliseconds against an in-process engine, and named so a
+failure says which trap it reproduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from .workload import RequestSpec, Workload
+
+__all__ = ["SCENARIOS"]
+
+_P = tuple(range(1, 18))  # a 17-token prompt: 4 full blocks of 4 and one token
+
+
+def _w(name: str, *reqs: RequestSpec) -> Workload:
+    return Workload(reqs, name=name)
+
+
+SCENARIOS: Mapping[str, Workload] = MappingProxyType({
+    # One request, start to finish: metadata every step, one request_finished (SCH-011, SCH-015).
+    "single": _w("single", RequestSpec("r0", _P, max_new_tokens=3)),
+    # The same prompt again after the first finished: a full-prompt hit must leave one token
+    # to compute (SCH-005); the rematch must have no side effects (SCH-001).
+    "full-prompt-hit": _w(
+        "full-prompt-hit",
+        RequestSpec("first", _P[:16], max_new_tokens=2),
+        RequestSpec("again", _P[:16], max_new_tokens=2, arrival_step=8),
+        RequestSpec("longer", _P + (40, 41, 42, 43), max_new_tokens=2, arrival_step=16),
+    ),
+    # Shared prefixes arriving together and apart: prefix cache, partial hits (SCH-007).
+    "shared-prefix": _w(
+        "shared-prefix",
+        RequestSpec("a", _P, max_new_tokens=2),
+        RequestSpec("b", _P[:9] + (50, 51, 52), max_new_tokens=2),
+        RequestSpec("c", _P[:13] + (60,), max_new_tokens=3, arrival_step=10),
+    ),
+    # The same tokens under other tenants and adapters never share KV (SCH-020).
+    "tenants": _w(
+        "tenants",
+        RequestSpec("plain", _P, max_new_tokens=2),
+        RequestSpec("salted-a", _P, max_new_tokens=2, cache_salt="tenant-a", arrival_step=8),
+        RequestSpec("salted-b", _P, max_new_tokens=2, cache_salt="tenant-b", arrival_step=16),
+        RequestSpec("lora", _P, max_new_tokens=2, lora_id=1, arrival_step=24),
+        RequestSpec("plain-again", _P, max_new_tokens=2, arrival_step=32),
+    ),
+    # Aborts at every stage: waiting, just allocated (possibly waiting for remote KV),
+    # running, and after finishing (SCH-015, SCH-021).
+    "aborts": _w(
+        "aborts",
+        RequestSpec("seed", _P, max_new_tokens=2),
+        RequestSpec("abort-waiting", _P[:6], arrival_step=1, abort_at_step=1),
+        RequestSpec("abort-loading", _P, max_new_tokens=2, arrival_step=8, abort_at_step=9),
+        RequestSpec("abort-running", tuple(range(100, 160)), max_new_tokens=4, arrival_step=8,
+                    abort_at_step=10),
+        RequestSpec("abort-late", _P[:5], max_new_tokens=1, arrival_step=2, abort_at_step=30),
+    ),
+    # More demand than blocks: running requests are preempted and matched again (SCH-022).
+    "preemption": _w(
+        "preemption",
+        *(RequestSpec(f"p{i}", tuple(range(10 * i, 10 * i + 14)), max_new_tokens=6,
+                      arrival_step=i % 2) for i in range(6)),
+    ),
+    # Long prompts in small chunks; requests finishing while others load (SCH-009, SCH-011).
+    "chunked": _w(
+        "chunked",
+        RequestSpec("long", tuple(range(200, 262)), max_new_tokens=2),
+        RequestSpec("long-again", tuple(range(200, 262)), max_new_tokens=2, arrival_step=12),
+        RequestSpec("short", _P[:7], max_new_tokens=4, arrival_step=13),
+    ),
+})
+"""The fixed scenarios, by name."""
