@@ -2,7 +2,9 @@
 
 ``kvspec spec`` prints the clause table and counts; ``kvspec spec --write-docs DIR`` renders
 the clause blocks of the spec pages from the registry, ``--check-docs DIR`` fails if they are
-stale. Later issues add ``kvspec conform`` and ``kvspec bench``.
+stale. ``kvspec conform [SPEC ...]`` runs the conformance suite against connector factories
+(by default the project's own) and exits with pytest's exit code; arguments after ``--`` go
+to pytest. A later issue adds ``kvspec bench``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,23 @@ def _spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _conform(args: argparse.Namespace) -> int:
+    from .conformance import DEFAULT_CONNECTORS, run_conformance
+
+    # Like ``python -m``: connector modules in the current directory are importable.
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    specs = list(args.specs) or list(DEFAULT_CONNECTORS)
+    extra = list(args.pytest_args)
+    if args.write_xfail:
+        extra.append(f"--kvspec-write-xfail={args.write_xfail}")
+    result = run_conformance(
+        specs, profile=args.profile, report_path=args.report, xfail_path=args.xfail,
+        extra_pytest_args=extra,
+    )
+    return result.exit_code
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvspec", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--version", action="version", version=f"kvspec {__version__} (spec {SPEC_VERSION})")
@@ -98,12 +117,37 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--write-docs", metavar="DIR", help="rewrite the clause blocks of DIR/<area>.md")
     g.add_argument("--check-docs", metavar="DIR", help="exit 1 if DIR's clause blocks are stale")
     s.set_defaults(func=_spec)
+    c = sub.add_parser(
+        "conform", help="run the conformance suite against connector factories",
+        description="Run the kvspec conformance suite against each connector factory "
+                    "(pkg.module:Factory); with none, against the project's own connectors. "
+                    "Arguments after -- are passed to pytest. Exits with pytest's exit code.",
+    )
+    c.add_argument("specs", nargs="*", metavar="SPEC",
+                   help="connector factory import path, pkg.module:Factory (repeatable)")
+    c.add_argument("--profile", choices=["default", "full"], default="default",
+                   help="'full' runs ten times the hypothesis examples")
+    c.add_argument("--report", metavar="PATH", help="write the JSON report to PATH")
+    c.add_argument("--xfail", metavar="PATH", help="expected-failures file")
+    c.add_argument("--write-xfail", metavar="PATH",
+                   help="write the keys of the failing tests to PATH")
+    c.set_defaults(func=_conform, pytest_args=[])
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if passthrough:
+        if args.command != "conform":
+            parser.error(f"arguments after -- are only for 'kvspec conform': {passthrough}")
+        args.pytest_args = passthrough
     result: int = args.func(args)
     return result
 

@@ -174,6 +174,7 @@ class Engine:
         self._events: list[KVCacheEvent] = []
         self._external: dict[str, int] = {}
         self._preemptions = 0
+        self._completed: set[tuple[str, Direction]] = set()
         self.workload: Workload | None = None
         self._closed = False
         handshakes = self.workers.handshakes()
@@ -238,7 +239,7 @@ class Engine:
                 self.abort(rid)
             if i > last and self.idle:
                 break
-            if i >= max_steps:
+            if i >= max_steps and not self.awaited:  # awaited transfers end by their timeout
                 raise AssertionError(
                     f"harness: workload {workload.name!r} did not finish in {max_steps} steps"
                 )
@@ -408,6 +409,10 @@ class Engine:
             r.num_computed += n
             budget -= n
 
+        for r in list(self.remote.values()):
+            if r.spec.abort_while_loading and not r.finished_called:
+                r.aborted = True  # an abort that arrives while the load is in flight (SCH-021)
+                self._finish(r)
         out = SchedulerOutputView(
             self.step_id, tuple(new), tuple(cached), counts,
             finished_req_ids=self._finished_ids, preempted_req_ids=preempted,
@@ -603,6 +608,9 @@ class Engine:
         except DoubleReportError as e:
             self._violate("WRK-009", e.message, "each rank reports a request once per direction")
         except UnknownRequestError as e:
+            if (e.request_id, e.direction) in self._completed:
+                self._violate("WRK-009", f"{e.message} (it had already completed in an earlier "
+                              "step)", "each rank reports a request once per direction")
             self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
         except ReportError as e:
             self._violate(e.clause or "EXE-008", e.message, "consistent reports")
@@ -612,6 +620,8 @@ class Engine:
                 self._violate("EVT-005", f"take_events yielded {ev!r}", "KV-cache event objects")
             self._events.append(ev)
         self._apply_invalid(agg.invalid_block_ids)
+        self._completed.update((rid, Direction.RECV) for rid in agg.finished_recving)
+        self._completed.update((rid, Direction.SEND) for rid in agg.finished_sending)
         for rid in sorted(agg.finished_recving):
             self._recv_done(rid, failed=rid in agg.failed_recving)
         for rid in sorted(agg.finished_sending):

@@ -54,6 +54,8 @@ SCENARIOS: Mapping[str, Workload] = MappingProxyType({
         RequestSpec("seed", _P, max_new_tokens=2),
         RequestSpec("abort-waiting", _P[:6], arrival_step=1, abort_at_step=1),
         RequestSpec("abort-loading", _P, max_new_tokens=2, arrival_step=8, abort_at_step=9),
+        RequestSpec("abort-while-loading", _P[:12] + (9,), max_new_tokens=2, arrival_step=10,
+                    abort_while_loading=True),
         RequestSpec("abort-running", tuple(range(100, 160)), max_new_tokens=4, arrival_step=8,
                     abort_at_step=10),
         RequestSpec("abort-late", _P[:5], max_new_tokens=1, arrival_step=2, abort_at_step=30),

@@ -34,6 +34,8 @@ class RequestSpec:
         cache_salt: Tenant salt (SCH-020).
         lora_id: LoRA adapter id (SCH-020).
         abort_at_step: Step at which the request is aborted, whatever its state.
+        abort_while_loading: Abort the request as soon as it waits for remote KV: right
+            after its blocks are allocated, before that step's metadata is built (SCH-021).
         kv_transfer_params: Plain-data parameters from another engine (two-engine mode).
     """
 
@@ -44,6 +46,7 @@ class RequestSpec:
     cache_salt: str | None = None
     lora_id: int | None = None
     abort_at_step: int | None = None
+    abort_while_loading: bool = False
     kv_transfer_params: Mapping[str, Any] | None = attrs.field(default=None, converter=freeze_params)
 
     def __attrs_post_init__(self) -> None:

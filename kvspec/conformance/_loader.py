@@ -1,0 +1,194 @@
+"""Turning a connector spec into a validated factory, and capability names into checks.
+
+A connector under test is named by a *spec*: an import path ``"pkg.module:Name"`` (the part
+after the colon may be a dotted attribute path, ``"pkg.module:Outer.Factory"``), a class with a
+no-argument constructor, or a factory instance. :func:`load_factory` accepts all three;
+:func:`factory_spec` goes back from an instance to an import path so that worker
+subprocesses can re-create the factory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import attrs
+
+from ..protocols.capabilities import Capabilities, FailureReporting, HookGraphMode
+from ..protocols.connector import ConnectorFactory
+from ..protocols.errors import InvalidArgumentError
+
+__all__ = ["capability_names", "factory_spec", "has_capability", "load_factory"]
+
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+_FACTORY_MEMBERS = ("name", "capabilities", "create_scheduler", "create_worker", "create_executor")
+
+
+def _import_attribute(spec: str) -> object:
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or ":" in attr_path or not _DOTTED.match(module_name) or not _DOTTED.match(attr_path):
+        raise InvalidArgumentError(
+            f"bad connector spec {spec!r}: expected 'package.module:Name' (an importable module, "
+            "one colon, then an attribute name or dotted attribute path)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise InvalidArgumentError(
+                f"bad connector spec {spec!r}: module {module_name!r} not found "
+                "(is it installed, or on sys.path?)"
+            ) from e
+        raise InvalidArgumentError(
+            f"bad connector spec {spec!r}: importing module {module_name!r} failed: {e}"
+        ) from e
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"bad connector spec {spec!r}: importing module {module_name!r} raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    obj: object = module
+    walked = module_name
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise InvalidArgumentError(
+                f"bad connector spec {spec!r}: {walked!r} has no attribute {part!r}"
+            ) from None
+        walked = f"{walked}.{part}" if walked != module_name else f"{module_name}:{part}"
+    return obj
+
+
+def load_factory(spec: str | ConnectorFactory | type) -> ConnectorFactory:
+    """Return the validated connector factory a spec names.
+
+    Args:
+        spec: ``"pkg.module:Name"`` (``Name`` may be a dotted attribute path; the attribute
+            may itself be a class or an instance), a class (instantiated with no arguments),
+            or a factory instance (used as is).
+
+    Returns:
+        An object that satisfies :class:`~kvspec.protocols.ConnectorFactory`, whose
+        ``capabilities`` is a :class:`~kvspec.protocols.Capabilities` and whose ``name`` is a
+        non-empty string.
+
+    Raises:
+        InvalidArgumentError: The spec is malformed, its module cannot be imported, the
+            attribute is missing, the class cannot be instantiated without arguments, or the
+            object is not a connector factory; the message says which.
+    """
+    where = repr(spec) if isinstance(spec, str) else f"{spec!r}"
+    obj: object = _import_attribute(spec) if isinstance(spec, str) else spec
+    if isinstance(obj, type):
+        cls = obj
+        try:
+            obj = cls()
+        except Exception as e:
+            raise InvalidArgumentError(
+                f"connector {where}: could not instantiate {cls.__qualname__} with no arguments: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+    missing = [m for m in _FACTORY_MEMBERS if not _has_member(obj, m)]
+    if missing:
+        raise InvalidArgumentError(
+            f"connector {where} is not a ConnectorFactory: {type(obj).__name__} lacks "
+            + ", ".join(missing)
+        )
+    try:
+        if not isinstance(obj, ConnectorFactory):  # pragma: no cover - same test as above
+            raise InvalidArgumentError(f"connector {where} is not a ConnectorFactory")
+        capabilities = obj.capabilities
+        name = obj.name
+    except InvalidArgumentError:
+        raise
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"connector {where}: reading its name or capabilities raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(capabilities, Capabilities):
+        raise InvalidArgumentError(
+            f"connector {where}: capabilities must be a kvspec.protocols.Capabilities, got "
+            f"{type(capabilities).__name__}"
+        )
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"connector {where}: name must be a non-empty str, got {name!r}")
+    return obj
+
+
+def _has_member(obj: object, member: str) -> bool:
+    # Look the member up on the class first so that a property raising is reported as such
+    # (by the caller) rather than as a missing member.
+    return hasattr(type(obj), member) or member in getattr(obj, "__dict__", {})
+
+
+def factory_spec(factory: ConnectorFactory | type) -> str:
+    """Return the ``"module:QualName"`` import path of a factory's class.
+
+    Worker subprocesses re-create the factory from it with :func:`load_factory`, so the class
+    must be importable: defined at module level (or nested in module-level classes) in a
+    module other than ``__main__``, with a no-argument constructor.
+
+    Raises:
+        InvalidArgumentError: The class is not importable by name.
+    """
+    cls = factory if isinstance(factory, type) else type(factory)
+    module, qualname = cls.__module__, cls.__qualname__
+    if "<locals>" in qualname or module == "__main__":
+        raise InvalidArgumentError(
+            f"factory class {module}.{qualname} is not importable by name: define it at module "
+            "level in an importable module"
+        )
+    return f"{module}:{qualname}"
+
+
+_DERIVED = {
+    "layer_hooks": "the connector has per-layer hooks (layer_hooks is EAGER or CAPTURABLE)",
+    "capturable_hooks": "layer_hooks is CAPTURABLE",
+    "eager_hooks": "layer_hooks is EAGER",
+    "reports_failures": "failure_reporting is INVALID_BLOCKS",
+    "multiple_kv_cache_groups": "kv_cache_groups > 1",
+}
+
+
+def _bool_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in attrs.fields(Capabilities) if f.type in ("bool", bool))
+
+
+def capability_names() -> tuple[str, ...]:
+    """Every name :func:`has_capability` and ``@pytest.mark.kvspec_requires`` accept.
+
+    They are the bool fields of :class:`~kvspec.protocols.Capabilities` (true means the
+    connector has the capability) plus the derived names ``layer_hooks`` (per-layer hooks),
+    ``capturable_hooks``, ``eager_hooks``, ``reports_failures`` (failure_reporting is
+    INVALID_BLOCKS) and ``multiple_kv_cache_groups`` (kv_cache_groups > 1).
+    """
+    return _bool_fields() + tuple(_DERIVED)
+
+
+def has_capability(caps: Capabilities, name: str) -> bool:
+    """Say whether a declaration includes the named capability.
+
+    See :func:`capability_names` for the names. This is the one place that maps names to
+    declarations: the suite's ``kvspec_requires`` marker uses it.
+
+    Raises:
+        InvalidArgumentError: ``name`` is not a capability name.
+    """
+    if name in _bool_fields():
+        return bool(getattr(caps, name))
+    if name == "layer_hooks":
+        return caps.has_layer_hooks
+    if name == "capturable_hooks":
+        return caps.layer_hooks is HookGraphMode.CAPTURABLE
+    if name == "eager_hooks":
+        return caps.layer_hooks is HookGraphMode.EAGER
+    if name == "reports_failures":
+        return caps.failure_reporting is FailureReporting.INVALID_BLOCKS
+    if name == "multiple_kv_cache_groups":
+        return caps.kv_cache_groups > 1
+    raise InvalidArgumentError(
+        f"unknown capability name {name!r}; known: {', '.join(capability_names())}"
+    )

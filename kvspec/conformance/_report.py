@@ -1,0 +1,495 @@
+"""Recording a conformance run: header, per-clause summary, JSON report, expected failures.
+
+One :class:`Recorder` per pytest config, registered by the plugin. It stays inert (and
+imports nothing heavy) in sessions that hold no suite test and no ``kvspec_clause`` marker.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ._suites import BASE_MODULE, connector_label, suite_dir, suite_files, xfail_key
+from ._xfail import KVSpecXfailWarning, read_xfail_file, write_xfail_file
+
+if TYPE_CHECKING:
+    from ..protocols.capabilities import Capabilities
+    from ..protocols.errors import ContractViolation
+
+__all__ = ["OUTCOMES", "ConnectorInfo", "Recorder", "format_violation", "kvspec_version"]
+
+OUTCOMES = ("pass", "fail", "skip", "xfail")
+"""The outcomes counted per clause, in column order."""
+
+
+def kvspec_version() -> str:
+    """The version of the running kvspec package."""
+    return str(getattr(sys.modules.get("kvspec"), "__version__", "unknown"))
+
+
+def _spec_version() -> str:
+    from ..spec import SPEC_VERSION
+
+    return SPEC_VERSION
+
+
+@dataclass
+class ConnectorInfo:
+    """A connector of the run: its spec, name and declaration."""
+
+    spec: str
+    name: str
+    capabilities: Capabilities
+
+    def describe(self) -> dict[str, object]:
+        """The declaration as plain data."""
+        return self.capabilities.describe()
+
+    def header(self) -> str:
+        """One line naming the connector and its capabilities."""
+        caps = ", ".join(f"{k}={_plain(v)}" for k, v in self.describe().items())
+        return f"kvspec connector {self.name} ({self.spec}): {caps}"
+
+
+def _plain(v: object) -> str:
+    if isinstance(v, list):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return str(v)
+
+
+@dataclass
+class _Tracked:
+    nodeid: str
+    key: str | None
+    connector: str | None
+    clauses: list[str]
+    outcome: str | None = None
+    message: str = ""
+    duration: float = 0.0
+    violation: str | None = None
+    broken: str | None = None  # the clause a ContractViolation named
+    strict_xpass: bool = False
+    listed: bool = False
+
+
+def _find_violation(exc: BaseException) -> ContractViolation | None:
+    errors = sys.modules.get("kvspec.protocols.errors")
+    if errors is None:
+        return None
+    cls: type[ContractViolation] = errors.ContractViolation
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, cls):
+            return e
+        inner = getattr(e, "exceptions", None)
+        if isinstance(inner, tuple):
+            stack.extend(x for x in reversed(inner) if isinstance(x, BaseException))
+    return None
+
+
+def format_violation(exc: ContractViolation, connector_name: str) -> str:
+    """``clause X (<title>) broken by <name>: observed: ...; expected: ...`` plus reproduction.
+
+    The reproduction is the exception's optional ``reproduce`` text, then its notes (for
+    example hypothesis's falsifying example), each on its own lines.
+    """
+    from ..spec import get_clause
+
+    clause = (exc.clause or "?").upper()
+    try:
+        title = get_clause(clause).title
+    except (KeyError, TypeError):
+        title = "not a clause of this spec"
+    text = (
+        f"clause {clause} ({title}) broken by {connector_name}: "
+        f"observed: {exc.observed}; expected: {exc.expected}"
+    )
+    extra: list[str] = []
+    reproduce = getattr(exc, "reproduce", None)
+    if isinstance(reproduce, str) and reproduce.strip():
+        extra.append(reproduce.rstrip())
+    for note in getattr(exc, "__notes__", None) or ():
+        if isinstance(note, str) and note.strip():
+            extra.append(note.rstrip())
+    return "\n".join([text, *extra])
+
+
+def _crash_message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return str(crash.message)
+    lines = str(report.longrepr).strip().splitlines()
+    return lines[-1] if lines else "failed"
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        msg = str(longrepr[2])
+    else:
+        msg = str(longrepr)
+    return msg.removeprefix("Skipped: ")
+
+
+class Recorder:
+    """The plugin's per-session state and the hooks that use it.
+
+    Args:
+        config: The pytest config.
+        specs: The connector specs given with ``--kvspec-conformance`` (and the ini option).
+    """
+
+    def __init__(self, config: pytest.Config, specs: Sequence[str]) -> None:
+        self.config = config
+        self.specs = list(specs)
+        self.connectors: dict[str, ConnectorInfo] = {}
+        self.tracked: dict[str, _Tracked] = {}
+        self.notes: list[str] = []
+        self.report: dict[str, Any] | None = None
+
+    # -- connectors ---------------------------------------------------------------------------
+
+    def connector(self, connector: object) -> ConnectorInfo:
+        """Load (once) and describe a connector given as a spec, class or factory."""
+        from ._loader import load_factory
+
+        label = connector_label(connector)
+        info = self.connectors.get(label)
+        if info is None:
+            factory = load_factory(connector)  # type: ignore[arg-type]
+            info = ConnectorInfo(label, factory.name, factory.capabilities)
+            self.connectors[label] = info
+        return info
+
+    def load_connectors(self) -> None:
+        """Load every connector given on the command line; a bad one is a usage error."""
+        from ..protocols.errors import InvalidArgumentError
+
+        for spec in self.specs:
+            try:
+                self.connector(spec)
+            except InvalidArgumentError as e:
+                raise pytest.UsageError(f"--kvspec-conformance={spec}: {e.message}") from e
+
+    # -- header ----------------------------------------------------------------------------------
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        """Name kvspec, the spec and every connector under test."""
+        if not self.specs:
+            return []
+        profile = config.getoption("kvspec_profile", "default")
+        lines = [f"kvspec {kvspec_version()}, spec {_spec_version()}, profile {profile}"]
+        lines += [self.connectors[s].header() for s in self.specs if s in self.connectors]
+        return lines
+
+    # -- collection ------------------------------------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(
+        self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        """Validate markers, bind connectors, apply capability skips and expected failures."""
+        self._collect_suite_if_missing(session, items)
+        base = sys.modules.get(BASE_MODULE)
+        suite_base: type | None = getattr(base, "ConformanceSuite", None)
+        bad: list[str] = []
+        for item in items:
+            cls = getattr(item, "cls", None)
+            is_suite = suite_base is not None and isinstance(cls, type) \
+                and issubclass(cls, suite_base)
+            clause_marks = list(item.iter_markers("kvspec_clause"))
+            if not is_suite and not clause_marks:
+                continue
+            clauses = self._clauses(item, clause_marks, bad)
+            tracked = _Tracked(item.nodeid, None, None, clauses)
+            if is_suite:
+                assert isinstance(cls, type)
+                self._bind(item, cls, tracked, bad)
+            self.tracked.setdefault(item.nodeid, tracked)
+        if bad:
+            raise pytest.UsageError("kvspec conformance:\n  " + "\n  ".join(bad))
+        self._apply_xfail_file(items)
+
+    def _collect_suite_if_missing(self, session: pytest.Session, items: list[pytest.Item]) -> None:
+        # The plugin adds the suite directory to the paths to collect. pytest drops it when a
+        # given path contains it, and then skips it when it lies in an ignored directory
+        # (kvspec installed in the project's own .venv): collect its modules directly.
+        if not self.specs:
+            return
+        root = suite_dir()
+        if session.isinitpath(root):
+            return  # collected as given, collection errors included
+        for item in items:
+            path = getattr(item, "path", None)
+            if path is not None and Path(path).resolve().parent == root:
+                return
+        for file in suite_files():
+            if self.config.hook.pytest_ignore_collect(collection_path=file, config=self.config):
+                continue
+            module = pytest.Module.from_parent(session, path=file)
+            items.extend(session.genitems(module))
+
+    def _clauses(self, item: pytest.Item, marks: Iterable[pytest.Mark], bad: list[str]) -> list[str]:
+        from ..spec import get_clause
+
+        out: list[str] = []
+        for mark in marks:
+            if not mark.args:
+                bad.append(f"{item.nodeid}: kvspec_clause needs at least one clause ID")
+            for arg in mark.args:
+                try:
+                    cid = get_clause(arg).id
+                except (KeyError, TypeError) as e:
+                    bad.append(f"{item.nodeid}: kvspec_clause({arg!r}): {e.args[0]}")
+                    continue
+                if cid not in out:
+                    out.append(cid)
+        return out
+
+    def _bind(self, item: pytest.Item, cls: type, tracked: _Tracked, bad: list[str]) -> None:
+        from ..protocols.errors import InvalidArgumentError
+        from ._loader import capability_names, has_capability
+
+        callspec = getattr(item, "callspec", None)
+        params: dict[str, object] = dict(getattr(callspec, "params", {}) or {})
+        ids = str(getattr(callspec, "id", "")) if callspec is not None else ""
+        if "kvspec_factory" in params:
+            connector: object = params["kvspec_factory"]
+            label = connector_label(connector)
+            extra = "" if ids == label else ids[len(label) + 1:] if ids.startswith(label + "-") \
+                else ids
+        else:
+            connector = getattr(cls, "connector", None)
+            if connector is None:
+                return  # the kvspec_factory fixture reports the missing connector
+            label = connector_label(connector)
+            extra = ids
+        module = getattr(item, "module", None)
+        tracked.connector = label
+        tracked.key = xfail_key(
+            cls, getattr(module, "__file__", None),
+            getattr(item, "originalname", item.name), label, extra,
+        )
+        try:
+            info = self.connector(connector)
+        except InvalidArgumentError as e:
+            bad.append(f"{item.nodeid}: {e.message}")
+            return
+        known = capability_names()
+        for mark in item.iter_markers("kvspec_requires"):
+            for name in mark.args:
+                if name not in known:
+                    bad.append(
+                        f"{item.nodeid}: kvspec_requires({name!r}): unknown capability; "
+                        f"known: {', '.join(known)}"
+                    )
+                elif not has_capability(info.capabilities, name):
+                    item.add_marker(pytest.mark.skip(
+                        reason=f"connector does not declare capability '{name}'"
+                    ))
+                    return
+
+    def _apply_xfail_file(self, items: list[pytest.Item]) -> None:
+        path = self.config.getoption("kvspec_xfail", None)
+        if not path:
+            return
+        try:
+            entries = read_xfail_file(path)
+        except OSError as e:
+            raise pytest.UsageError(f"--kvspec-xfail={path}: cannot read it: {e}") from e
+        by_key: dict[str, list[pytest.Item]] = {}
+        for item in items:
+            t = self.tracked.get(item.nodeid)
+            if t is not None and t.key is not None:
+                by_key.setdefault(t.key, []).append(item)
+        for entry in entries:
+            matched = by_key.get(entry.key, [])
+            if not matched:
+                warnings.warn(KVSpecXfailWarning(
+                    f"kvspec xfail file line {entry.line} matches no test: {entry.key} "
+                    f"({path})"
+                ), stacklevel=1)
+            for item in matched:
+                reason = f"listed in kvspec xfail file {path} line {entry.line}"
+                if entry.reason:
+                    reason += f": {entry.reason}"
+                item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+                self.tracked[item.nodeid].listed = True
+
+    # -- running ---------------------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Any:
+        """Rewrite the failure of a ContractViolation to name the clause and the connector."""
+        report = yield
+        tracked = self.tracked.get(item.nodeid)
+        if tracked is None or call.excinfo is None:
+            return report
+        exc = _find_violation(call.excinfo.value)
+        if exc is None:
+            return report
+        clause = (exc.clause or "?").upper()
+        tracked.broken = clause
+        if clause not in tracked.clauses:
+            tracked.clauses.append(clause)
+        info = self.connectors.get(tracked.connector or "")
+        name = info.name if info is not None else (tracked.connector or "the code under test")
+        text = format_violation(exc, name)
+        tracked.violation = text
+        longrepr = report.longrepr
+        crash = getattr(longrepr, "reprcrash", None)
+        if crash is not None:
+            crash.message = text
+        if hasattr(longrepr, "addsection"):
+            longrepr.addsection("kvspec contract violation", text)
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Fold each phase's report into the test's outcome."""
+        t = self.tracked.get(report.nodeid)
+        if t is None:
+            return
+        t.duration += report.duration
+        if t.outcome == "fail":
+            return
+        if report.failed:
+            t.outcome = "fail"
+            t.strict_xpass = str(report.longrepr).startswith("[XPASS(strict)]")
+            t.message = (
+                str(report.longrepr) if t.strict_xpass else t.violation or _crash_message(report)
+            )
+        elif report.skipped:
+            if hasattr(report, "wasxfail"):
+                t.outcome = "xfail"
+                t.message = t.violation or report.wasxfail or "expected failure"
+            else:
+                t.outcome = "skip"
+                t.message = _skip_reason(report)
+        elif report.when == "call":
+            t.outcome = "pass"
+            t.message = f"XPASS {report.wasxfail}" if hasattr(report, "wasxfail") else ""
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def done(self) -> list[_Tracked]:
+        """The tracked tests that produced an outcome, in run order."""
+        return [t for t in self.tracked.values() if t.outcome is not None]
+
+    def clause_table(self) -> dict[str, dict[str, Any]]:
+        """Per clause touched: outcome counts, level and title, sorted by clause ID.
+
+        A test that failed with a ContractViolation fails only the clause it names; its other
+        clauses were not fully checked and are not counted. A failure that names no clause
+        fails every clause the test is tagged with.
+        """
+        from ..spec import get_clause
+
+        table: dict[str, dict[str, Any]] = {}
+        for t in self.done():
+            counted = [t.broken] if t.outcome in ("fail", "xfail") and t.broken else t.clauses
+            for cid in counted:
+                row = table.get(cid)
+                if row is None:
+                    try:
+                        clause = get_clause(cid)
+                        level, title = clause.level.value, clause.title
+                    except (KeyError, TypeError):
+                        level, title = "?", "not a clause of this spec"
+                    row = table[cid] = {o: 0 for o in OUTCOMES} | {"level": level, "title": title}
+                row[str(t.outcome)] += 1
+        return dict(sorted(table.items()))
+
+    def build_report(self, exitstatus: int) -> dict[str, Any]:
+        """The JSON report of the run."""
+        done = self.done()
+        used = list(dict.fromkeys(
+            self.specs + [t.connector for t in done if t.connector is not None]
+        ))
+        return {
+            "kvspec_version": kvspec_version(),
+            "spec_version": _spec_version(),
+            "profile": self.config.getoption("kvspec_profile", "default"),
+            "exit_code": int(exitstatus),
+            "connectors": [
+                {"spec": s, "name": self.connectors[s].name,
+                 "capabilities": self.connectors[s].describe()}
+                for s in used if s in self.connectors
+            ],
+            "tests": [
+                {"nodeid": t.nodeid, "key": t.key, "outcome": t.outcome, "clauses": t.clauses,
+                 "connector": t.connector, "duration": round(t.duration, 6),
+                 "message": t.message}
+                for t in done
+            ],
+            "clauses": self.clause_table(),
+        }
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        """Write the JSON report and the expected-failures file, if asked."""
+        report_path = self.config.getoption("kvspec_report", None)
+        write_path = self.config.getoption("kvspec_write_xfail", None)
+        if not (self.done() or self.specs or report_path or write_path):
+            return
+        self.report = self.build_report(int(exitstatus))
+        if report_path:
+            path = Path(report_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.report, indent=2) + "\n", encoding="utf-8")
+            temporary = {
+                getattr(p, "kvspec_temporary_report", None)
+                for p in self.config.pluginmanager.get_plugins()
+            }
+            if str(report_path) not in temporary:
+                self.notes.append(f"kvspec: wrote the JSON report to {path}")
+        if write_path:
+            keys = [
+                t.key for t in self.done() if t.key is not None and (
+                    (t.outcome == "fail" and not t.strict_xpass)
+                    or (t.outcome == "xfail" and t.listed)
+                )
+            ]
+            write_xfail_file(write_path, keys, header=(
+                "kvspec expected failures: one test key per line (written by "
+                "--kvspec-write-xfail)",
+                f"kvspec {kvspec_version()}, spec {_spec_version()}",
+            ))
+            self.notes.append(f"kvspec: wrote {len(set(keys))} expected failures to {write_path}")
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Print the connectors and the per-clause table."""
+        done = self.done()
+        if not done and not self.notes:
+            return
+        tr = terminalreporter
+        tr.write_sep("=", "kvspec conformance")
+        if done:
+            used = list(dict.fromkeys(t.connector for t in done if t.connector is not None))
+            for label in used:
+                if label in self.connectors:
+                    tr.write_line(self.connectors[label].header())
+            table = self.clause_table()
+            totals = {o: sum(1 for t in done if t.outcome == o) for o in OUTCOMES}
+            tr.write_line(
+                f"{'clause':<9} {'level':<7}" + "".join(f"{o:>6}" for o in OUTCOMES) + "  title"
+            )
+            for cid, row in table.items():
+                counts = "".join(f"{row[o]:>6}" for o in OUTCOMES)
+                line = f"{cid:<9} {row['level']:<7}{counts}  {row['title']}"
+                tr.write_line(line, red=row["fail"] > 0)
+            tr.write_line(
+                f"{'total':<9} {'tests':<7}" + "".join(f"{totals[o]:>6}" for o in OUTCOMES)
+                + f"  {len(done)} tests, {len(table)} clauses"
+            )
+        for note in self.notes:
+            tr.write_line(note)
+

@@ -1,0 +1,290 @@
+"""Deliberately broken variants of the shared-storage connector, one clause each.
+
+The conformance suite runs them to prove that it catches each violation: every factory here
+is the :class:`~kvspec.conformance.connectors.shared_storage.SharedStorageConnector` with one
+behaviour changed, names the clause it breaks in its docstring and in its ``violates`` class
+attribute, and is listed with that clause in :data:`BROKEN_CONNECTORS`. Capabilities are the
+base connector's: each variant claims to conform and does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from typing import ClassVar
+
+import torch
+
+from kvspec.protocols import (
+    ConnectorMetadata,
+    EngineConfigView,
+    KVConnectorOutput,
+    RequestView,
+    SchedulerOutputView,
+)
+
+from .shared_storage import (
+    SharedStorageConnector,
+    SharedStorageScheduler,
+    SharedStorageWorker,
+    block_path,
+)
+
+__all__ = [
+    "AsyncZeroConnector",
+    "BROKEN_CONNECTORS",
+    "BrokenConnector",
+    "CorruptLoadConnector",
+    "DoubleReportConnector",
+    "DropsAbortedRecvConnector",
+    "FullPromptHitConnector",
+    "ImpureMatchConnector",
+    "NoSaltConnector",
+    "NoSendReportConnector",
+    "ReadAfterFreeConnector",
+    "UnknownReportConnector",
+]
+
+GHOST_REQUEST_ID = "ghost-request"
+
+
+class BrokenConnector(SharedStorageConnector):
+    """Base of the broken variants: a shared-storage connector that breaks ``violates``."""
+
+    violates: ClassVar[str] = ""
+    """The ID of the one clause the variant breaks."""
+
+    @property
+    def name(self) -> str:
+        """``"broken-<clause>"``, e.g. ``"broken-sch-005"``."""
+        return f"broken-{self.violates.lower()}"
+
+
+# ------------------------------------------------------------------------------ scheduler
+
+
+class _FullPromptHitScheduler(SharedStorageScheduler):
+    """Matches up to the whole prompt (SCH-005)."""
+
+    def _match_limit(self, request: RequestView) -> int:
+        # Every prompt block may be matched, leaving nothing to compute when the prompt is a
+        # whole number of blocks.
+        return request.num_prompt_tokens // self._block_size
+
+
+class FullPromptHitConnector(BrokenConnector):
+    """Breaks SCH-005: when every prompt block is stored and the prompt is a whole number of
+    blocks, it matches the whole prompt, leaving no token to compute."""
+
+    violates = "SCH-005"
+    scheduler_class = _FullPromptHitScheduler
+
+
+class _AsyncZeroScheduler(SharedStorageScheduler):
+    """Answers every match, misses included, as async (SCH-004)."""
+
+    def _is_async(self, count: int) -> bool:
+        return True
+
+
+class AsyncZeroConnector(BrokenConnector):
+    """Breaks SCH-004: on a miss it answers ``(0, True)``, an async load of zero tokens."""
+
+    violates = "SCH-004"
+    scheduler_class = _AsyncZeroScheduler
+
+
+class _ImpureMatchScheduler(SharedStorageScheduler):
+    """Answers one block fewer when asked again about a request (SCH-001)."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._asked_before: set[str] = set()
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        assert count is not None
+        if request.request_id in self._asked_before:
+            count = max(0, count - self._block_size)
+        self._asked_before.add(request.request_id)
+        return count, count > 0
+
+
+class ImpureMatchConnector(BrokenConnector):
+    """Breaks SCH-001: asked again about the same request, it answers one block fewer (the
+    first answer changes state that later answers observe)."""
+
+    violates = "SCH-001"
+    scheduler_class = _ImpureMatchScheduler
+
+
+class _NoSaltScheduler(SharedStorageScheduler):
+    """Keys blocks by their token ids alone (SCH-020)."""
+
+    def _block_keys(self, request: RequestView) -> tuple[str, ...]:
+        # A chained sha256 over the token ids alone: salt and LoRA are ignored.
+        bs = self._block_size
+        tokens = request.all_token_ids
+        keys: list[str] = []
+        parent = b""
+        for i in range(len(tokens) // bs):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            parent = hashlib.sha256(parent + struct.pack(f"<{bs}q", *chunk)).digest()
+            keys.append(parent.hex())
+        return tuple(keys)
+
+
+class NoSaltConnector(BrokenConnector):
+    """Breaks SCH-020: keys stored blocks by a chained sha256 of the token ids only, so
+    requests that differ in cache salt or LoRA share each other's KV."""
+
+    violates = "SCH-020"
+    scheduler_class = _NoSaltScheduler
+
+
+class _ReadAfterFreeScheduler(SharedStorageScheduler):
+    """Frees at once but still saves the blocks (SCH-017)."""
+
+    def _delay_free(self) -> bool:
+        return False
+
+    def _mark_written(self) -> None:
+        # The workers do not report these saves; mark a block stored once every rank's file
+        # exists.
+        ranks = range(self._config.world_size)
+        for rid, record in list(self._unreported.items()):
+            if all(
+                os.path.exists(block_path(self._dir, key, r)) for key in record.keys for r in ranks
+            ):
+                del self._unreported[rid]
+                self._mark_done(record)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        self._mark_written()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        super().update_connector_output(output)
+        self._mark_written()
+
+
+class ReadAfterFreeConnector(BrokenConnector):
+    """Breaks SCH-017: ``request_finished`` returns False (the engine frees and poisons the
+    blocks at once) yet the blocks are still saved, snapshotted in the next step's
+    ``start_load_kv``, and marked stored once the files exist."""
+
+    violates = "SCH-017"
+    scheduler_class = _ReadAfterFreeScheduler
+
+
+# --------------------------------------------------------------------------------- worker
+
+
+class _DoubleReportWorker(SharedStorageWorker):
+    """Reports each finished receive twice (WRK-009)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._report_again: set[str] = set()
+
+    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
+        again, self._report_again = self._report_again, set(recving)
+        return sending, recving | again
+
+
+class DoubleReportConnector(BrokenConnector):
+    """Breaks WRK-009: reports every finished receive again in the following step."""
+
+    violates = "WRK-009"
+    worker_class = _DoubleReportWorker
+
+
+class _UnknownReportWorker(SharedStorageWorker):
+    """Reports a send it never started (WRK-010)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._ghost_reported = False
+
+    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
+        if not self._ghost_reported:
+            self._ghost_reported = True
+            sending = sending | {GHOST_REQUEST_ID}
+        return sending, recving
+
+
+class UnknownReportConnector(BrokenConnector):
+    """Breaks WRK-010: in its first ``get_finished`` it reports ``"ghost-request"`` in
+    ``finished_sending``, a request it was never asked to send."""
+
+    violates = "WRK-010"
+    worker_class = _UnknownReportWorker
+
+
+class _CorruptLoadWorker(SharedStorageWorker):
+    """Corrupts every loaded block (WRK-013)."""
+
+    def _after_load(self, data: torch.Tensor) -> torch.Tensor:
+        data[0] ^= 1
+        return data
+
+
+class CorruptLoadConnector(BrokenConnector):
+    """Breaks WRK-013: flips the low bit of the first byte of every block it loads, and
+    reports the load as successful."""
+
+    violates = "WRK-013"
+    worker_class = _CorruptLoadWorker
+
+
+class _NoSendReportWorker(SharedStorageWorker):
+    """Never reports a finished send (SCH-016)."""
+
+    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
+        return set(), recving
+
+
+class NoSendReportConnector(BrokenConnector):
+    """Breaks SCH-016: ``request_finished`` returns True but no rank ever reports the
+    request in ``finished_sending``, so its blocks are never freed."""
+
+    violates = "SCH-016"
+    worker_class = _NoSendReportWorker
+
+
+class _DropsAbortedRecvWorker(SharedStorageWorker):
+    """Drops the receive reports of aborted loads (SCH-021)."""
+
+    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
+        return sending, recving - self._aborted
+
+
+class DropsAbortedRecvConnector(BrokenConnector):
+    """Breaks SCH-021: never reports ``finished_recving`` for a request aborted while its
+    load was in flight, once the abort reached the worker (the metadata's
+    ``aborted_loads``) before the load completed."""
+
+    violates = "SCH-021"
+    worker_class = _DropsAbortedRecvWorker
+
+
+BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
+    (cls, cls.violates)
+    for cls in (
+        FullPromptHitConnector,
+        AsyncZeroConnector,
+        ImpureMatchConnector,
+        DoubleReportConnector,
+        UnknownReportConnector,
+        NoSaltConnector,
+        CorruptLoadConnector,
+        NoSendReportConnector,
+        ReadAfterFreeConnector,
+        DropsAbortedRecvConnector,
+    )
+)
+"""Every broken variant with the clause it breaks."""

@@ -1,0 +1,178 @@
+"""The connector driven by the reference engine: fixed scenarios, layouts, parallelism,
+async scheduling, two engines, random workloads and a stateful machine.
+
+Every run checks, at every layer of every step, that the KV of every computed or loaded
+token is byte-identical to what the toy model computes, and raises ContractViolation naming
+the clause at the first thing the connector gets wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from ...protocols import RequestStatus
+from ..harness import Engine, RequestSpec, Workload, run_disaggregated, workloads
+from ..harness.scenarios import SCENARIOS
+from ._base import ConformanceSuite
+from ._run import config_for, layout_cases, serve
+
+_SCENARIO_CONFIG: dict[str, dict[str, Any]] = {
+    "preemption": {"num_blocks": 12},
+    "chunked": {"max_tokens_per_step": 8},
+}
+
+
+def _examples(profile: str, default: int) -> int:
+    return default * 10 if profile == "full" else default
+
+
+class TestEngine(ConformanceSuite):
+    """The connector through the reference engine."""
+
+    @pytest.mark.kvspec_clause(
+        "SCH-001", "SCH-004", "SCH-005", "SCH-008", "SCH-009", "SCH-010", "SCH-011", "SCH-012",
+        "SCH-013", "SCH-015", "SCH-016", "SCH-017", "SCH-018", "SCH-019", "SCH-020", "SCH-021",
+        "SCH-022", "SCH-023", "WRK-003", "WRK-008", "WRK-009", "WRK-010", "WRK-011", "WRK-013",
+        "EXE-001",
+    )
+    @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-local-cache", "local-cache"])
+    @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+    def test_scenario(self, scenario: str, prefix_caching: bool, tmp_path: Path) -> None:
+        """Each trap scenario runs to completion with every block byte-exact."""
+        result = serve(self.factory, SCENARIOS[scenario], tmp_path,
+                       prefix_caching=prefix_caching, **_SCENARIO_CONFIG.get(scenario, {}))
+        assert set(result.finished) | set(result.aborted) == {
+            r.request_id for r in SCENARIOS[scenario].requests
+        }
+
+    @pytest.mark.kvspec_clause("SCH-014", "SCH-019", "SCH-013", "EXE-001")
+    @pytest.mark.parametrize("scenario", ["full-prompt-hit", "aborts", "preemption", "chunked"])
+    def test_async_scheduling(self, scenario: str, tmp_path: Path) -> None:
+        """Step N+1's metadata is built before step N's output arrives (SCH-014)."""
+        serve(self.factory, SCENARIOS[scenario], tmp_path, async_scheduling=True,
+              prefix_caching=False, **_SCENARIO_CONFIG.get(scenario, {}))
+
+    @pytest.mark.kvspec_clause("LAY-001", "LAY-002", "LAY-004", "LAY-006", "LAY-007", "WRK-013")
+    def test_every_accepted_layout(self, tmp_path: Path) -> None:
+        """Every stride order and K/V packing the connector accepts, with padded pages."""
+        for i, (order, packing) in enumerate(layout_cases(self.capabilities)):
+            serve(self.factory, SCENARIOS["full-prompt-hit"], tmp_path / str(i), order=order,
+                  packing=packing, page_padding=i % 3, prefix_caching=False)
+
+    @pytest.mark.kvspec_clause("LAY-003", "LAY-009", "LAY-012", "WRK-002")
+    def test_over_allocated_non_restridable_tensors(self, tmp_path: Path) -> None:
+        """kvcached-style tensors: capacity above the budget, re-striding refused (seed 003)."""
+        serve(self.factory, SCENARIOS["shared-prefix"], tmp_path, extra_capacity=17,
+              restridable=False, prefix_caching=False)
+
+    @pytest.mark.kvspec_clause("WRK-009", "WRK-010", "EXE-001", "EXE-010", "SCH-023", "WRK-015")
+    @pytest.mark.parametrize("tp_size", [2, 4])
+    def test_tensor_parallel(self, tp_size: int, tmp_path: Path) -> None:
+        """Workers as separate processes; every rank reports once (WRK-009, EXE-001)."""
+        wl = Workload([*SCENARIOS["full-prompt-hit"].requests,
+                       *(_later(r, 20) for r in SCENARIOS["aborts"].requests)], name="tp")
+        serve(self.factory, wl, tmp_path, tp_size=tp_size, prefix_caching=False)
+
+    @pytest.mark.kvspec_clause("SCH-018", "SCH-016", "SCH-023", "HSK-002")
+    @pytest.mark.parametrize("tp_size", [1, 2])
+    def test_two_engines(self, tp_size: int, tmp_path: Path) -> None:
+        """A prefill engine hands requests to a decode engine via kv_transfer_params."""
+        wl = Workload([RequestSpec(f"pd-{i}", tuple(range(7 * i, 7 * i + 13)), max_new_tokens=3,
+                                   arrival_step=i) for i in range(3)], name="disaggregated")
+        cfg = config_for(self.capabilities, tp_size=tp_size, prefix_caching=False)
+        prefill, decode = run_disaggregated(self.factory, wl, prefill=cfg, decode=cfg,
+                                            tmpdir=str(tmp_path))
+        assert set(decode.finished) == {r.request_id for r in wl.requests}
+
+    @pytest.mark.kvspec_clause("SCH-001", "SCH-005", "SCH-015", "SCH-020", "SCH-021", "SCH-022",
+                               "SCH-023", "WRK-009", "WRK-013", "EXE-001")
+    def test_random_workloads(self, kvspec_profile: str, tmp_path: Path) -> None:
+        """Random arrivals, lengths, shared prefixes, tenants, aborts and preemptions."""
+        counter = iter(range(10**9))
+
+        @settings(max_examples=_examples(kvspec_profile, 12), deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(wl=workloads(), async_scheduling=st.booleans(), blocks=st.sampled_from([14, 48]),
+               caching=st.booleans())
+        def run(wl: Workload, async_scheduling: bool, blocks: int, caching: bool) -> None:
+            serve(self.factory, wl, tmp_path / str(next(counter)), num_blocks=blocks,
+                  async_scheduling=async_scheduling, prefix_caching=caching)
+
+        run()
+
+    @pytest.mark.kvspec_clause("SCH-003", "SCH-015", "SCH-021", "SCH-022", "WRK-009", "EXE-001",
+                               "ERR-009")
+    def test_stateful(self, kvspec_profile: str, tmp_path: Path) -> None:
+        """Random interleavings of arrivals, aborts and steps, compared with a model."""
+        factory, caps = self.factory, self.capabilities
+        counter = iter(range(10**9))
+
+        class Machine(RuleBasedStateMachine):
+            def __init__(self) -> None:
+                super().__init__()
+                self.engine = Engine(factory, config_for(caps, num_blocks=16, prefix_caching=False),
+                                     tmpdir=str(tmp_path / str(next(counter))))
+                self.added: list[str] = []
+                self.aborted: set[str] = set()
+
+            @rule(prompt=st.lists(st.integers(0, 9), min_size=1, max_size=14),
+                  new=st.integers(1, 3), salt=st.sampled_from([None, "t"]))
+            def add(self, prompt: list[int], new: int, salt: str | None) -> None:
+                rid = f"s{len(self.added)}"
+                self.engine.add_request(RequestSpec(rid, tuple(prompt), max_new_tokens=new,
+                                                    cache_salt=salt))
+                self.added.append(rid)
+
+            @rule(pick=st.integers(0, 50))
+            def abort(self, pick: int) -> None:
+                if self.added:
+                    rid = self.added[pick % len(self.added)]
+                    self.engine.abort(rid)
+                    self.aborted.add(rid)
+
+            @rule(n=st.integers(1, 4))
+            def steps(self, n: int) -> None:
+                for _ in range(n):
+                    self.engine.step()
+
+            @invariant()
+            def model_agrees(self) -> None:
+                for rid in self.added:
+                    status = self.engine.requests[rid].status
+                    if status is RequestStatus.ABORTED:
+                        assert rid in self.aborted, f"{rid} aborted by nobody"
+
+            def teardown(self) -> None:
+                try:
+                    for _ in range(400):
+                        if self.engine.idle:
+                            break
+                        self.engine.step()
+                    assert self.engine.idle, "engine did not go idle"
+                    result = self.engine.result()
+                    assert set(result.finished) | set(result.aborted) == set(self.added)
+                    assert set(result.aborted) <= self.aborted
+                    assert self.engine.pool.check_all_free() == []
+                finally:
+                    self.engine.shutdown()
+
+        run_state_machine_as_test(Machine, settings=settings(
+            max_examples=_examples(kvspec_profile, 8), stateful_step_count=25, deadline=None,
+            database=None, suppress_health_check=list(HealthCheck)))
+
+
+def _later(spec: RequestSpec, steps: int) -> RequestSpec:
+    """The same request, renamed and shifted ``steps`` later."""
+    abort = None if spec.abort_at_step is None else spec.abort_at_step + steps
+    return attrs.evolve(spec, request_id=f"{spec.request_id}-late",
+                        arrival_step=spec.arrival_step + steps, abort_at_step=abort)
+
+
+__all__ = ["TestEngine"]

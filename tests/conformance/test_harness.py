@@ -1,0 +1,217 @@
+"""The harness engine itself: block pool, toy model, engine behaviour, worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvspec.conformance.connectors.null import NullConnector
+from kvspec.conformance.connectors.shared_storage import SharedStorageConnector
+from kvspec.conformance.harness import (
+    Engine,
+    HarnessConfig,
+    RequestSpec,
+    Workload,
+    run_disaggregated,
+)
+from kvspec.conformance.harness._blockpool import BlockPool, block_hashes
+from kvspec.conformance.harness._toymodel import POISON, ToyModel, prefix_hashes, tenant_seed
+from kvspec.conformance.harness.scenarios import SCENARIOS
+from kvspec.protocols import ContractViolation, InvalidArgumentError, KVSpecError, RequestStatus
+
+# -- block pool -------------------------------------------------------------------------
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """The pool against a model: references, caching and eviction never lose or share blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(8, prefix_caching=True)
+        self.owned: list[list[int]] = []  # blocks held by simulated requests
+        self.cached: dict[bytes, int] = {}
+
+    @rule(n=st.integers(0, 4))
+    def allocate(self, n: int) -> None:
+        free_before = self.pool.num_free
+        got = self.pool.allocate(n)
+        if n > free_before:
+            assert got is None
+            return
+        assert got is not None and len(got) == n and len(set(got)) == n
+        held = {b for blocks in self.owned for b in blocks}
+        assert not held & set(got), "a held block was handed out again"
+        for b in got:  # evicted cache entries disappear
+            for h in [h for h, cb in self.cached.items() if cb == b]:
+                del self.cached[h]
+        self.owned.append(got)
+
+    @precondition(lambda self: self.owned)
+    @rule(i=st.integers(0, 100), cache=st.booleans())
+    def free(self, i: int, cache: bool) -> None:
+        blocks = self.owned.pop(i % len(self.owned))
+        if cache:
+            for b in blocks:
+                h = bytes([b, len(self.cached)])
+                self.pool.cache(b, h)
+                if self.pool.lookup([h]) == [b]:
+                    self.cached[h] = b
+        released = self.pool.free(blocks)
+        assert set(released) <= set(blocks)
+        assert not set(released) & set(self.cached.values()), "a cached block was released"
+
+    @rule()
+    def hit(self) -> None:
+        for h, b in list(self.cached.items()):
+            assert self.pool.lookup([h]) == [b]
+
+    @invariant()
+    def accounting(self) -> None:
+        held = sum(len(b) for b in self.owned)
+        assert self.pool.num_free + held == 8
+        assert sorted(self.pool.check_all_free()) == sorted(b for bl in self.owned for b in bl)
+
+
+TestBlockPool = BlockPoolMachine.TestCase
+TestBlockPool.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_block_hashes_chain_and_salt() -> None:
+    toks = tuple(range(12))
+    plain = block_hashes(toks, 4, None, None)
+    assert len(plain) == 3 and len(set(plain)) == 3
+    assert block_hashes(toks[:8], 4, None, None) == plain[:2]  # chained prefix
+    assert block_hashes(toks, 4, "a", None)[0] != plain[0]
+    assert block_hashes(toks, 4, None, 1)[0] != plain[0]
+    assert block_hashes((99,) + toks[1:], 4, None, None)[2] != plain[2]  # parent changes all
+
+
+# -- toy model --------------------------------------------------------------------------
+
+
+def test_toy_model_is_deterministic_and_tenant_sensitive() -> None:
+    m = ToyModel(2, 4, 3, 3)
+    seed = tenant_seed(None, None)
+    hs = prefix_hashes((1, 2, 3), seed)
+    a, b = m.kv(hs, 0), m.kv(hs, 0)
+    assert a.shape == (3, 4, 6) and bool((a == b).all())
+    assert not bool((m.kv(hs, 1) == a).all())
+    other = prefix_hashes((1, 2, 3), tenant_seed("salt", None))
+    assert not bool((m.kv(other, 0) == a).all())
+    assert int(a.abs().max()) <= 100 and POISON > 100
+    assert m.kv(hs, 0, range(2, 4)).equal(a[:, 2:4])
+    assert m.generate((1, 2), seed, 3)[:2] == (1, 2) and len(m.generate((1, 2), seed, 3)) == 5
+
+
+# -- engine -----------------------------------------------------------------------------
+
+
+def test_null_connector_serves_every_scenario() -> None:
+    for name, wl in SCENARIOS.items():
+        cfg = HarnessConfig(num_blocks=12 if name == "preemption" else 48)
+        with Engine(NullConnector(), cfg) as e:
+            result = e.run(wl)
+        assert set(result.finished) | set(result.aborted) == {r.request_id for r in wl.requests}
+
+
+def test_preemption_and_aborts_happen() -> None:
+    with Engine(NullConnector(), HarnessConfig(num_blocks=12)) as e:
+        assert e.run(SCENARIOS["preemption"]).preemptions > 0
+    with Engine(NullConnector(), HarnessConfig()) as e:
+        result = e.run(SCENARIOS["aborts"])
+    assert {"abort-waiting", "abort-running"} <= set(result.aborted)
+
+
+def test_shared_storage_round_trip_loads_verified_blocks(tmp_path: os.PathLike[str]) -> None:
+    """The second identical prompt is served from storage: 12 of its 16 prompt tokens."""
+    with Engine(SharedStorageConnector(), HarnessConfig(prefix_caching=False),
+                tmpdir=str(tmp_path)) as e:
+        result = e.run(SCENARIOS["full-prompt-hit"])
+    assert result.external_tokens["again"] == 12  # one block short: a token left (SCH-005)
+    assert result.external_tokens["longer"] == 16
+
+
+def test_tenants_do_not_share_stored_kv(tmp_path: os.PathLike[str]) -> None:
+    with Engine(SharedStorageConnector(), HarnessConfig(prefix_caching=False),
+                tmpdir=str(tmp_path)) as e:
+        result = e.run(SCENARIOS["tenants"])
+    assert "salted-a" not in result.external_tokens and "lora" not in result.external_tokens
+    assert result.external_tokens["plain-again"] == 16
+
+
+def test_async_scheduling_builds_next_metadata_before_output() -> None:
+    order: list[str] = []
+
+    class Recording(NullConnector):
+        def create_scheduler(self, config):  # type: ignore[no-untyped-def]
+            s = super().create_scheduler(config)
+            build, update = s.build_connector_meta, s.update_connector_output
+            s.build_connector_meta = lambda out: (order.append(f"build {out.step_id}"), build(out))[1]  # type: ignore[method-assign]
+            s.update_connector_output = lambda o: (order.append("output"), update(o))[1]  # type: ignore[method-assign]
+            return s
+
+    with Engine(Recording(), HarnessConfig(async_scheduling=True)) as e:
+        e.run(Workload([RequestSpec("a", (1, 2, 3, 4, 5), max_new_tokens=3)]))
+    assert order[:4] == ["build 0", "build 1", "output", "build 2"]
+
+
+def test_violation_carries_reproduction() -> None:
+    from kvspec.conformance.connectors.broken import FullPromptHitConnector
+
+    with pytest.raises(ContractViolation) as info:
+        with Engine(FullPromptHitConnector(), HarnessConfig(prefix_caching=False)) as e:
+            e.run(SCENARIOS["full-prompt-hit"])
+    err = info.value
+    assert err.clause == "SCH-005"
+    assert err.reproduce is not None
+    assert "Workload(name='full-prompt-hit'" in err.reproduce
+    assert "prefix_caching=False" in err.reproduce and "at step" in err.reproduce
+
+
+@pytest.mark.xfail(strict=True, reason="the shared-storage consumer does not yet defer its match "
+                   "(SCH-002) until the producer's delayed save has completed")
+def test_two_engines_hand_off_through_shared_storage(tmp_path: os.PathLike[str]) -> None:
+    wl = Workload([RequestSpec(f"r{i}", tuple(range(i, i + 13)), max_new_tokens=3)
+                   for i in range(2)])
+    prefill, decode = run_disaggregated(SharedStorageConnector(), wl, tmpdir=str(tmp_path))
+    assert set(prefill.finished) == set(decode.finished) == {"r0", "r1"}
+    assert decode.external_tokens == {"r0": 12, "r1": 12}
+
+
+def test_bad_inputs_are_rejected() -> None:
+    with pytest.raises(InvalidArgumentError, match="divisible"):
+        HarnessConfig(num_heads=3, tp_size=2)
+    with pytest.raises(InvalidArgumentError, match="repeats a request id"):
+        Workload([RequestSpec("a", (1,)), RequestSpec("a", (2,))])
+    with pytest.raises(InvalidArgumentError, match="prompt"):
+        RequestSpec("a", ())
+
+
+def test_requests_end_in_terminal_states() -> None:
+    with Engine(NullConnector(), HarnessConfig()) as e:
+        e.run(SCENARIOS["aborts"])
+        assert {r.status for r in e.requests.values()} <= {RequestStatus.FINISHED,
+                                                           RequestStatus.ABORTED}
+
+
+def test_dead_worker_process_fails_fast_without_hanging() -> None:
+    e = Engine(NullConnector(), HarnessConfig(tp_size=2, worker_timeout_s=20))
+    procs = list(e.workers.procs)  # type: ignore[attr-defined]
+    try:
+        e.add_request(RequestSpec("a", tuple(range(9)), max_new_tokens=4))
+        e.step()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(KVSpecError, match="worker rank 1 died"):
+            for _ in range(10):
+                e.step()
+        assert time.monotonic() - t < 10
+    finally:
+        e.shutdown()
+    assert [p.poll() is not None for p in procs] == [True, True]  # both reaped, none left

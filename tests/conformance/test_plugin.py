@@ -1,0 +1,576 @@
+"""The ways into the conformance suite: the pytest plugin, subclassing, run_conformance, the CLI.
+
+Runs use tiny connectors written into the pytester directory, and only the suite module
+``test_declaration.py`` (the ``kvrestrict`` plugin ignores the other suite modules), so that
+these tests do not depend on the engine-driven suite modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import hypothesis
+import pytest
+
+# Imported before any in-process pytester run: pytester drops the modules a run imports
+# first, and torch must not be imported twice.
+import kvspec.conformance._report
+import kvspec.conformance._runner
+import kvspec.conformance.suite.test_declaration
+import kvspec.protocols  # noqa: F401
+from kvspec import conformance
+from kvspec.conformance import _suites
+
+pytest_plugins = ["pytester"]
+
+KVSPEC_ROOT = Path(conformance.__file__).resolve().parents[1]
+DECLARATION = Path(kvspec.conformance.suite.test_declaration.__file__).resolve()
+
+CONN = '''
+from kvspec.protocols import Capabilities, HookGraphMode, SchedulerConnector, WorkerConnector
+
+
+class Sched(SchedulerConnector):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        return None
+
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+
+class Worker(WorkerConnector):
+    def register_kv_caches(self, kv_caches, layout):
+        pass
+
+    def bind_connector_metadata(self, metadata):
+        pass
+
+    def clear_connector_metadata(self):
+        pass
+
+    def start_load_kv(self, forward_context):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+
+class EagerWorker(Worker):
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, forward_context):
+        pass
+
+
+class Good:
+    name = "good"
+    capabilities = Capabilities()
+
+    def create_scheduler(self, config):
+        return Sched()
+
+    def create_worker(self, config, rank):
+        return Worker()
+
+    def create_executor(self, config):
+        return None
+
+
+class Eager(Good):
+    name = "eager"
+    capabilities = Capabilities(layer_hooks=HookGraphMode.EAGER)
+
+    def create_worker(self, config, rank):
+        return EagerWorker()
+
+
+class Bad(Good):
+    """Declares eager per-layer hooks, but its worker keeps the do-nothing defaults."""
+
+    name = "bad"
+    capabilities = Capabilities(layer_hooks=HookGraphMode.EAGER)
+'''
+
+RESTRICT = '''
+from pathlib import Path
+
+SUITE = Path(%r)
+
+
+def pytest_ignore_collect(collection_path, config):
+    path = Path(collection_path)
+    if path.parent == SUITE and path.name.startswith("test_") and path.name != "test_declaration.py":
+        return True
+    return None
+'''
+
+DECLARATION_TESTS = sorted(
+    name for name in vars(kvspec.conformance.suite.test_declaration.TestDeclaration)
+    if name.startswith("test_")
+)
+HOOKS_KEY = "test_declaration.py::TestDeclaration::test_declared_layer_hooks_are_implemented"
+
+
+@pytest.fixture
+def kv(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.Pytester]:
+    """A pytester directory with the connectors ``conn:Good``, ``conn:Eager``, ``conn:Bad``."""
+    pytester.makepyfile(conn=CONN, kvrestrict=RESTRICT % str(DECLARATION.parent))
+    pytester.syspathinsert()
+    monkeypatch.setattr(_suites, "suite_files", lambda: [DECLARATION])
+    monkeypatch.setenv("COLUMNS", "200")
+    yield pytester
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest("-p", "kvrestrict", "-p", "no:cacheprovider", *args)
+
+
+def summary_row(result: pytest.RunResult, clause: str) -> list[int]:
+    for line in result.outlines:
+        m = re.match(rf"^{clause}\s+\w+\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\S", line)
+        if m:
+            return [int(x) for x in m.groups()]
+    raise AssertionError(f"no summary row for {clause}:\n" + "\n".join(result.outlines))
+
+
+# -- loading and collection ----------------------------------------------------------------------
+
+
+def test_plugin_import_is_light() -> None:
+    code = (
+        "import sys, kvspec.conformance.plugin, kvspec.conformance\n"
+        "heavy = [m for m in ('torch', 'kvspec.protocols', 'hypothesis') if m in sys.modules]\n"
+        "print(heavy)\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_session_without_option_imports_nothing_heavy(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_light="""
+        import sys
+
+        def test_light():
+            assert "torch" not in sys.modules
+            assert "kvspec.protocols" not in sys.modules
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "kvspec")
+    result.assert_outcomes(passed=1)
+
+
+def test_options_are_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    for option in ("--kvspec-conformance=SPEC", "--kvspec-profile", "--kvspec-report=PATH",
+                   "--kvspec-xfail=PATH", "--kvspec-write-xfail=PATH", "kvspec_conformance"):
+        assert option in result.stdout.str()
+    result = pytester.runpytest("--kvspec-profile=huge")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_suite_is_not_collected_without_the_option(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="def test_mine(): pass")
+    result = run(kv, "--co", "-q")
+    assert result.ret == 0
+    assert "test_mine.py::test_mine" in result.stdout.str()
+    assert "TestDeclaration" not in result.stdout.str()
+
+
+def test_suite_is_collected_with_the_option_once_per_connector(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="def test_mine(): pass")
+    result = run(kv, "--co", "-q", "--kvspec-conformance=conn:Good",
+                 "--kvspec-conformance=conn:Bad")
+    assert result.ret == 0
+    out = result.stdout.str()
+    assert "test_mine.py::test_mine" in out
+    for name in DECLARATION_TESTS:
+        for spec in ("conn:Good", "conn:Bad"):
+            assert f"test_declaration.py::TestDeclaration::{name}[{spec}]" in out
+    assert f"{2 * len(DECLARATION_TESTS) + 1} tests collected" in out
+
+
+def test_suite_modules_chosen_by_path_are_the_only_ones_run(kv: pytest.Pytester) -> None:
+    result = kv.runpytest("-p", "no:cacheprovider", "--co", "-q",
+                          "--kvspec-conformance=conn:Good", str(DECLARATION))
+    assert f"{len(DECLARATION_TESTS)} tests collected" in result.stdout.str()
+
+
+def test_ini_option_names_connectors(kv: pytest.Pytester) -> None:
+    kv.makeini("[pytest]\nkvspec_conformance =\n    conn:Good\n    conn:Eager\n")
+    result = run(kv, "--co", "-q")
+    out = result.stdout.str()
+    assert "test_capabilities_are_declared_and_constant[conn:Good]" in out
+    assert "test_capabilities_are_declared_and_constant[conn:Eager]" in out
+
+
+def test_suite_is_collected_where_python_files_does_not_match(kv: pytest.Pytester) -> None:
+    result = run(kv, "--co", "-q", "-o", "python_files=check_*.py",
+                 "--kvspec-conformance=conn:Good")
+    assert f"{len(DECLARATION_TESTS)} tests collected" in result.stdout.str()
+
+
+def test_bad_spec_is_a_usage_error(kv: pytest.Pytester) -> None:
+    result = run(kv, "--kvspec-conformance=nosuchmodule:Factory")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvspec-conformance=nosuchmodule:Factory*module "
+                                 "'nosuchmodule' not found*"])
+    result = run(kv, "--kvspec-conformance=conn:Nope")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*'conn' has no attribute 'Nope'*"])
+
+
+def test_unknown_clause_in_a_marker_is_a_collection_error(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="""
+        import pytest
+
+        @pytest.mark.kvspec_clause("SCH-999")
+        def test_mine():
+            pass
+    """)
+    result = run(kv, "--strict-markers")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_mine.py::test_mine: kvspec_clause('SCH-999')*no clause*"])
+
+
+def test_unknown_capability_in_a_marker_is_a_collection_error(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="""
+        import pytest
+        from kvspec.conformance import ConformanceSuite
+
+        class TestMine(ConformanceSuite):
+            connector = "conn:Good"
+
+            @pytest.mark.kvspec_requires("flying")
+            def test_fly(self):
+                pass
+    """)
+    result = run(kv)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*kvspec_requires('flying'): unknown capability*"])
+
+
+# -- running and reporting -----------------------------------------------------------------------
+
+
+def test_capability_skip_names_the_capability(kv: pytest.Pytester) -> None:
+    result = run(kv, "-rs", "--kvspec-conformance=conn:Good")
+    result.assert_outcomes(passed=4, skipped=3)
+    out = result.stdout.str()
+    for name in ("layer_hooks", "capturable_hooks", "custom_aggregator"):
+        assert f"connector does not declare capability '{name}'" in out
+
+
+def test_header_names_versions_and_connectors(kv: pytest.Pytester) -> None:
+    result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Eager")
+    result.stdout.fnmatch_lines([
+        "kvspec 0.1.0, spec 0.1, profile default",
+        "kvspec connector good (conn:Good): async_loads=False, *layer_hooks=no_layer_hooks*",
+        "kvspec connector eager (conn:Eager): *layer_hooks=eager*",
+    ])
+    result.assert_outcomes(passed=9, skipped=5)
+
+
+def test_bad_factory_breaks_gra_001(kv: pytest.Pytester) -> None:
+    result = run(kv, "-ra", "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad")
+    result.assert_outcomes(passed=8, failed=1, skipped=5)
+    out = result.stdout.str()
+    assert (
+        "clause GRA-001 (Hook graph behaviour is declared) broken by bad: observed: layer_hooks "
+        "is EAGER but Worker keeps the WorkerConnector default of wait_for_layer_load, "
+        "save_kv_layer; expected: " in out
+    )
+    result.stdout.fnmatch_lines([
+        f"FAILED *{HOOKS_KEY}[[]conn:Bad[]] - clause GRA-001 (Hook graph*",
+    ])
+    # pass / fail / skip / xfail: the declaration test passes twice, the hooks test fails
+    # for Bad and is skipped for Good.
+    assert summary_row(result, "GRA-001") == [2, 1, 1, 0]
+    assert summary_row(result, "SCH-027") == [2, 0, 0, 0]
+    assert summary_row(result, "DRY-005") == [0, 0, 2, 0]
+    result.stdout.fnmatch_lines(["*= kvspec conformance =*", "clause *level *pass *fail *skip *xfail *title",
+                                 "total *tests *8 *1 *5 *0 *14 tests, 5 clauses"])
+    rows = [line.split()[0] for line in result.outlines if re.match(r"^[A-Z]{3}-\d{3} ", line)]
+    assert rows == sorted(rows) == ["DRY-005", "EXE-012", "GRA-001", "SCH-027", "WRK-015"]
+
+
+def test_violation_report_carries_reproduction_text(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="""
+        import pytest
+        from kvspec.conformance import ConformanceSuite
+
+        class TestMine(ConformanceSuite):
+            connector = "conn:Good"
+
+            @pytest.mark.kvspec_clause("SCH-004")
+            def test_full_hit(self):
+                self.check(False, "SCH-005", observed="count 16 of 16 tokens",
+                           expected="at most 15", reproduce="prompt: 16 tokens, block size 16")
+    """)
+    report = kv.path / "report.json"
+    result = run(kv, f"--kvspec-report={report}")
+    result.assert_outcomes(failed=1)
+    text = ("clause SCH-005 (A full hit leaves one token to compute) broken by good: "
+            "observed: count 16 of 16 tokens; expected: at most 15")
+    result.stdout.fnmatch_lines([f"*{text}", "prompt: 16 tokens, block size 16"])
+    data = json.loads(report.read_text())
+    (test,) = data["tests"]
+    assert test["message"] == text + "\nprompt: 16 tokens, block size 16"
+    assert test["clauses"] == ["SCH-004", "SCH-005"]
+    assert test["key"] == "test_mine.py::TestMine::test_full_hit[conn:Good]"
+    # Only the clause the violation names fails; SCH-004 was not fully checked, so uncounted.
+    assert data["clauses"]["SCH-005"]["fail"] == 1 and "SCH-004" not in data["clauses"]
+
+
+def test_json_report(kv: pytest.Pytester) -> None:
+    report = kv.path / "out" / "report.json"
+    result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad",
+                 f"--kvspec-report={report}")
+    assert result.ret == 1
+    assert f"kvspec: wrote the JSON report to {report}" in result.stdout.str()
+    data = json.loads(report.read_text())
+    assert data["kvspec_version"] == "0.1.0" and data["spec_version"] == "0.1"
+    assert [(c["spec"], c["name"]) for c in data["connectors"]] == [
+        ("conn:Good", "good"), ("conn:Bad", "bad")
+    ]
+    assert data["connectors"][1]["capabilities"]["layer_hooks"] == "eager"
+    tests = {t["nodeid"].split("/")[-1]: t for t in data["tests"]}
+    assert len(tests) == 2 * len(DECLARATION_TESTS)
+    failed = tests[f"{HOOKS_KEY}[conn:Bad]"]
+    assert failed["outcome"] == "fail" and failed["connector"] == "conn:Bad"
+    assert failed["clauses"] == ["GRA-001"] and failed["duration"] >= 0
+    assert failed["message"].startswith("clause GRA-001 (Hook graph behaviour is declared) broken")
+    skipped = tests[f"{HOOKS_KEY}[conn:Good]"]
+    assert skipped["outcome"] == "skip"
+    assert skipped["message"] == "connector does not declare capability 'layer_hooks'"
+    assert {t["outcome"] for t in data["tests"]} == {"pass", "fail", "skip"}
+    assert data["clauses"]["GRA-001"] == {
+        "pass": 2, "fail": 1, "skip": 1, "xfail": 0, "level": "MUST",
+        "title": "Hook graph behaviour is declared",
+    }
+    assert list(data["clauses"]) == sorted(data["clauses"])
+
+
+# -- expected failures ---------------------------------------------------------------------------
+
+
+def test_xfail_file_marks_listed_tests_and_warns_about_unknown_lines(kv: pytest.Pytester) -> None:
+    xfail = kv.path / "xfail.txt"
+    xfail.write_text(textwrap.dedent(f"""\
+        # known failures
+        {HOOKS_KEY}[conn:Bad]   # upstream issue 7
+
+        test_declaration.py::TestDeclaration::test_gone[conn:Bad]
+    """))
+    result = run(kv, "-rx", "--kvspec-conformance=conn:Bad", f"--kvspec-xfail={xfail}")
+    assert result.ret == 0
+    result.assert_outcomes(passed=4, skipped=2, xfailed=1, warnings=1)
+    out = result.stdout.str()
+    assert "KVSpecXfailWarning: kvspec xfail file line 4 matches no test: " \
+        "test_declaration.py::TestDeclaration::test_gone[conn:Bad]" in out
+    assert "upstream issue 7" in out
+    assert summary_row(result, "GRA-001") == [1, 0, 0, 1]
+
+
+def test_xfail_file_unexpected_pass_fails(kv: pytest.Pytester) -> None:
+    xfail = kv.path / "xfail.txt"
+    xfail.write_text(
+        "test_declaration.py::TestDeclaration::test_capabilities_are_declared_and_constant"
+        "[conn:Good]\n"
+    )
+    result = run(kv, "--kvspec-conformance=conn:Good", f"--kvspec-xfail={xfail}")
+    assert result.ret == 1
+    result.assert_outcomes(passed=3, skipped=3, failed=1)
+    assert "[XPASS(strict)]" in result.stdout.str()
+    assert summary_row(result, "GRA-001") == [0, 1, 1, 0]
+
+
+def test_write_xfail_then_run_clean(kv: pytest.Pytester) -> None:
+    xfail = kv.path / "xfail.txt"
+    result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad",
+                 f"--kvspec-write-xfail={xfail}")
+    assert result.ret == 1
+    assert f"kvspec: wrote 1 expected failures to {xfail}" in result.stdout.str()
+    keys = [ln for ln in xfail.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert keys == [f"{HOOKS_KEY}[conn:Bad]"]
+    # Rerun against the written file, and rewrite it: still the one (now expected) failure.
+    result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad",
+                 f"--kvspec-xfail={xfail}", f"--kvspec-write-xfail={xfail}")
+    assert result.ret == 0
+    result.assert_outcomes(passed=8, skipped=5, xfailed=1)
+    keys = [ln for ln in xfail.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert keys == [f"{HOOKS_KEY}[conn:Bad]"]
+
+
+# -- subclassing ---------------------------------------------------------------------------------
+
+
+def test_make_suite_runs_the_same_tests_with_the_same_keys(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_conformance="""
+        from kvspec.conformance import make_suite
+
+        globals().update(make_suite("conn:Bad"))
+    """)
+    listed = run(kv, "--co", "-q")
+    names = sorted(re.findall(r"::TestDeclaration::(test_\w+)", listed.stdout.str()))
+    assert names == DECLARATION_TESTS
+    report = kv.path / "report.json"
+    result = run(kv, "-rf", f"--kvspec-report={report}")
+    result.assert_outcomes(passed=4, failed=1, skipped=2)
+    assert "clause GRA-001 (Hook graph behaviour is declared) broken by bad" in result.stdout.str()
+    assert summary_row(result, "GRA-001") == [1, 1, 0, 0]
+    data = json.loads(report.read_text())
+    keys = sorted(t["key"] for t in data["tests"])
+    assert keys == sorted(f"test_declaration.py::TestDeclaration::{n}[conn:Bad]"
+                          for n in DECLARATION_TESTS)
+    xfail = kv.path / "xfail.txt"
+    xfail.write_text(f"{HOOKS_KEY}[conn:Bad]\n")
+    result = run(kv, f"--kvspec-xfail={xfail}")
+    assert result.ret == 0
+    result.assert_outcomes(passed=4, skipped=2, xfailed=1)
+
+
+def test_make_suite_rejects_a_bad_connector(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_conformance="""
+        from kvspec.conformance import make_suite
+
+        globals().update(make_suite("conn:Missing"))
+    """)
+    result = run(kv)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["*InvalidArgumentError*'conn' has no attribute 'Missing'*"])
+
+
+def test_profile_full_scales_hypothesis_examples(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="""
+        from hypothesis import settings
+        from kvspec.conformance import ConformanceSuite
+
+        class TestMine(ConformanceSuite):
+            connector = "conn:Good"
+
+            def test_profile(self, kvspec_profile):
+                assert kvspec_profile == "full"
+                assert settings().max_examples == 10 * settings.get_profile("default").max_examples
+    """)
+    before = hypothesis.settings.get_current_profile_name()
+    result = run(kv, "--kvspec-profile=full")
+    result.assert_outcomes(passed=1)
+    assert hypothesis.settings.get_current_profile_name() == before
+
+
+def test_suite_class_without_connector_errors(kv: pytest.Pytester) -> None:
+    kv.makepyfile(test_mine="""
+        from kvspec.conformance import ConformanceSuite
+
+        class TestMine(ConformanceSuite):
+            def test_one(self):
+                pass
+    """)
+    result = run(kv)
+    result.assert_outcomes(errors=1)
+    assert "no connector under test" in result.stdout.str()
+
+
+# -- run_conformance and the CLI -----------------------------------------------------------------
+
+
+def test_run_conformance(kv: pytest.Pytester) -> None:
+    from kvspec.conformance import run_conformance
+
+    good = run_conformance(["conn:Good"], extra_pytest_args=["-p", "kvrestrict", "-q"])
+    assert good.exit_code == 0 and good.ok
+    assert (good.passed, good.failed, good.skipped, good.xfailed) == (4, 0, 3, 0)
+    assert good.clauses["GRA-001"]["pass"] == 1
+    assert good.report["connectors"][0]["name"] == "good"
+
+    report = kv.path / "r.json"
+    bad = run_conformance(["conn:Bad"], report_path=report,
+                          extra_pytest_args=["-p", "kvrestrict", "-q"])
+    assert bad.exit_code == 1 and not bad.ok
+    assert bad.failed == 1 and bad.clauses["GRA-001"]["fail"] == 1
+    assert json.loads(report.read_text())["tests"] == list(bad.report["tests"])
+
+    xfail = kv.path / "xfail.txt"
+    xfail.write_text(f"{HOOKS_KEY}[conn:Bad]\n")
+    listed = run_conformance(["conn:Bad"], xfail_path=xfail,
+                             extra_pytest_args=["-p", "kvrestrict", "-q"])
+    assert listed.exit_code == 0 and listed.xfailed == 1
+
+    missing = run_conformance(["conn:Missing"], extra_pytest_args=["-p", "kvrestrict"])
+    assert missing.exit_code == pytest.ExitCode.USAGE_ERROR and missing.report == {}
+
+
+def test_cli_conform_defaults_and_passthrough(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvspec import cli
+
+    calls: list[tuple[list[str], dict[str, object]]] = []
+
+    def fake(specs: list[str], **kwargs: object) -> object:
+        calls.append((list(specs), kwargs))
+        return conformance.ConformanceResult.from_report(3, {})
+
+    monkeypatch.setattr(conformance, "run_conformance", fake)
+    assert cli.main(["conform"]) == 3
+    assert calls[-1][0] == list(conformance.DEFAULT_CONNECTORS)
+    assert cli.main(["conform", "a.b:C", "--profile", "full", "--report", "r.json", "--xfail",
+                     "x.txt", "--write-xfail", "w.txt", "--", "-k", "decl", "-x"]) == 3
+    specs, kwargs = calls[-1]
+    assert specs == ["a.b:C"]
+    assert kwargs == {
+        "profile": "full", "report_path": "r.json", "xfail_path": "x.txt",
+        "extra_pytest_args": ["-k", "decl", "-x", "--kvspec-write-xfail=w.txt"],
+    }
+    with pytest.raises(SystemExit):
+        cli.main(["spec", "--", "-x"])
+
+
+def test_cli_conform_exit_codes(kv: pytest.Pytester) -> None:
+    env = {**os.environ, "COLUMNS": "200"}
+    good = subprocess.run(
+        [sys.executable, "-m", "kvspec", "conform", "conn:Good", "--", "-p", "kvrestrict", "-q"],
+        cwd=kv.path, capture_output=True, text=True, env=env,
+    )
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "4 passed, 3 skipped" in good.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvspec", "conform", "conn:Good", "conn:Bad", "--report",
+         "r.json", "--", "-p", "kvrestrict", "-q"],
+        cwd=kv.path, capture_output=True, text=True, env=env,
+    )
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "clause GRA-001 (Hook graph behaviour is declared) broken by bad" in bad.stdout
+    assert json.loads((kv.path / "r.json").read_text())["clauses"]["GRA-001"]["fail"] == 1
+
+
+def test_suite_installed_in_a_project_virtualenv_is_collected(kv: pytest.Pytester) -> None:
+    # kvspec installed (not editable) in <project>/.venv: pytest would skip the suite
+    # directory, which lies in an ignored directory under the path it was given.
+    site = kv.path / ".venv" / "lib" / "site-packages"
+    shutil.copytree(KVSPEC_ROOT, site / "kvspec",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (kv.path / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (kv.path / "kvrestrict.py").write_text(
+        RESTRICT % str(site / "kvspec" / "conformance" / "suite")
+    )
+    kv.makeini("[pytest]\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "kvrestrict", "-p", "no:cacheprovider", "-rs",
+         "--kvspec-conformance=conn:Good", "-q"],
+        cwd=kv.path, capture_output=True, text=True, env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 passed, 3 skipped" in out.stdout
+    assert ".venv/lib/site-packages/kvspec/conformance/suite/test_declaration.py" in out.stdout
