@@ -25,6 +25,7 @@ from kvspec.conformance.connectors import (
     DoubleReportConnector,
     DropsAbortedRecvConnector,
     FullPromptHitConnector,
+    HANDOFF_PARAM,
     ImpureMatchConnector,
     LoadJob,
     NoSaltConnector,
@@ -65,6 +66,7 @@ from kvspec.protocols import (
     SchedulerOutputView,
     StandardAggregator,
     StrideOrder,
+    TransferRole,
     UnknownRequestError,
     WorkerConnector,
     Direction,
@@ -78,12 +80,12 @@ NUM_BLOCKS = 12
 # ------------------------------------------------------------------------------ helpers
 
 
-def make_config(tmp_path: Path, *, tp: int = 1, **extra: Any) -> EngineConfigView:
-    from kvspec.protocols import TransferRole
-
+def make_config(
+    tmp_path: Path, *, tp: int = 1, role: TransferRole = TransferRole.BOTH, **extra: Any
+) -> EngineConfigView:
     return EngineConfigView(
         engine_id="engine-0",
-        role=TransferRole.BOTH,
+        role=role,
         num_layers=LAYERS,
         block_size=BS,
         num_blocks=NUM_BLOCKS,
@@ -109,6 +111,7 @@ def make_request(
     computed: int = 0,
     salt: str | None = None,
     lora: int | None = None,
+    params: dict[str, Any] | None = None,
 ) -> RequestView:
     prompt, output = tuple(prompt), tuple(output)
     return RequestView(
@@ -119,6 +122,7 @@ def make_request(
         cache_salt=salt,
         lora_id=lora,
         num_computed_tokens=computed,
+        kv_transfer_params=params,
     )
 
 
@@ -516,6 +520,41 @@ def test_scheduler_rejects_unknown_requests(tmp_path: Path) -> None:
     sched.shutdown()
 
 
+def test_producer_hands_off_and_consumer_defers(tmp_path: Path) -> None:
+    producer = SharedStorageConnector().create_scheduler(
+        make_config(tmp_path, role=TransferRole.PRODUCER)
+    )
+    done = make_request("r", range(13), output=(5,), computed=13)
+    producer.on_new_request(done)
+    delay, params = producer.request_finished(done, (0, 1, 2, 3))
+    assert delay and params == {HANDOFF_PARAM: {"blocks": 3}}
+    json.dumps(dict(params))  # SCH-018
+
+    consumer = new_scheduler(tmp_path)  # another engine on the same directory
+    handed = make_request("r", range(13), params={HANDOFF_PARAM: {"blocks": 3}})
+    consumer.on_new_request(handed)
+    assert [consumer.get_num_new_matched_tokens(handed, 0) for _ in range(2)] == [(None, False)] * 2
+    consumer.build_connector_meta(sched_output())
+    assert consumer.get_num_new_matched_tokens(handed, 0) == (None, False)  # SCH-002
+    producer.build_connector_meta(sched_output())
+    producer.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
+    assert consumer.get_num_new_matched_tokens(handed, 0) == (12, True)
+    plain = make_request("p", range(13))  # no hand-off: never deferred
+    assert consumer.get_num_new_matched_tokens(plain, 0) == (12, True)
+
+
+def test_handoff_deferral_is_bounded(tmp_path: Path) -> None:
+    consumer = SharedStorageConnector().create_scheduler(
+        make_config(tmp_path, handoff_timeout_s=0.01)
+    )
+    handed = make_request("r", range(13), params={HANDOFF_PARAM: {"blocks": 3}})
+    consumer.on_new_request(handed)
+    assert consumer.get_num_new_matched_tokens(handed, 0) == (None, False)
+    time.sleep(0.02)
+    consumer.build_connector_meta(sched_output())
+    assert consumer.get_num_new_matched_tokens(handed, 0) == (0, False)
+
+
 # ---------------------------------------------------------------------------------- worker
 
 
@@ -646,6 +685,20 @@ def test_load_times_out_as_failed(tmp_path: Path) -> None:
     start = time.monotonic()
     worker.shutdown()  # interrupts the delay
     assert time.monotonic() - start < 1.5
+
+
+def test_shutdown_does_not_wait_for_jobs_that_never_started(tmp_path: Path) -> None:
+    """A queued job cancelled at shutdown must not hold shutdown until io_timeout_s
+    (a CANCELLED future never counts as done for concurrent.futures.wait)."""
+    config = make_config(tmp_path, io_timeout_s=20.0, load_delay_s=0.5)
+    worker = SharedStorageConnector().create_worker(config, 0)
+    layout, _, kv = make_kv()
+    worker.register_kv_caches(kv, layout)
+    run_step(worker, SharedStorageMetadata(loads=(LoadJob("a", ((3, "ee"),)),)), kv)
+    run_step(worker, SharedStorageMetadata(loads=(LoadJob("b", ((4, "ff"),)),)), kv)  # queued
+    start = time.monotonic()
+    worker.shutdown()
+    assert time.monotonic() - start < 3.0  # was 20 s before the fix
 
 
 def test_worker_checks_hooks_and_block_ids(tmp_path: Path) -> None:

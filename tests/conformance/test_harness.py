@@ -174,8 +174,6 @@ def test_violation_carries_reproduction() -> None:
     assert "prefix_caching=False" in err.reproduce and "at step" in err.reproduce
 
 
-@pytest.mark.xfail(strict=True, reason="the shared-storage consumer does not yet defer its match "
-                   "(SCH-002) until the producer's delayed save has completed")
 def test_two_engines_hand_off_through_shared_storage(tmp_path: os.PathLike[str]) -> None:
     wl = Workload([RequestSpec(f"r{i}", tuple(range(i, i + 13)), max_new_tokens=3)
                    for i in range(2)])

@@ -27,6 +27,7 @@ from .broken import (
 )
 from .null import NullConnector, NullMetadata, NullScheduler, NullWorker
 from .shared_storage import (
+    HANDOFF_PARAM,
     LoadJob,
     SaveJob,
     SharedStorageConnector,
@@ -46,6 +47,7 @@ __all__ = [
     "DoubleReportConnector",
     "DropsAbortedRecvConnector",
     "FullPromptHitConnector",
+    "HANDOFF_PARAM",
     "ImpureMatchConnector",
     "LoadJob",
     "NoSaltConnector",

@@ -47,6 +47,10 @@ __all__ = [
 ]
 
 GHOST_REQUEST_ID = "ghost-request"
+"""The request id :class:`UnknownReportConnector` reports without being asked."""
+
+SLOW_LOAD_S = 0.05
+"""The least time a :class:`DropsAbortedRecvConnector` load takes, in seconds."""
 
 
 class BrokenConnector(SharedStorageConnector):
@@ -172,13 +176,24 @@ class _ReadAfterFreeScheduler(SharedStorageScheduler):
         self._mark_written()
 
 
+class _ReadAfterFreeWorker(SharedStorageWorker):
+    """Writes saves at once, so that the scheduler marks them stored a step later."""
+
+    _sync_saves = True
+
+
 class ReadAfterFreeConnector(BrokenConnector):
     """Breaks SCH-017: ``request_finished`` returns False (the engine frees and poisons the
     blocks at once) yet the blocks are still saved, snapshotted in the next step's
-    ``start_load_kv``, and marked stored once the files exist."""
+    ``start_load_kv``, and marked stored once every rank's file exists.
+
+    To make the violation observable at a fixed step, the files are written on the calling
+    thread (not a violation in itself): the blocks count as stored from the step after.
+    """
 
     violates = "SCH-017"
     scheduler_class = _ReadAfterFreeScheduler
+    worker_class = _ReadAfterFreeWorker
 
 
 # --------------------------------------------------------------------------------- worker
@@ -259,6 +274,9 @@ class NoSendReportConnector(BrokenConnector):
 class _DropsAbortedRecvWorker(SharedStorageWorker):
     """Drops the receive reports of aborted loads (SCH-021)."""
 
+    def _load_delay_s(self) -> float:
+        return max(super()._load_delay_s(), SLOW_LOAD_S)
+
     def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
         return sending, recving - self._aborted
 
@@ -266,7 +284,11 @@ class _DropsAbortedRecvWorker(SharedStorageWorker):
 class DropsAbortedRecvConnector(BrokenConnector):
     """Breaks SCH-021: never reports ``finished_recving`` for a request aborted while its
     load was in flight, once the abort reached the worker (the metadata's
-    ``aborted_loads``) before the load completed."""
+    ``aborted_loads``) before the load completed.
+
+    To make the violation observable, every load takes at least :data:`SLOW_LOAD_S`
+    seconds (not a violation in itself), so an abort in the next step finds it in flight.
+    """
 
     violates = "SCH-021"
     worker_class = _DropsAbortedRecvWorker

@@ -30,10 +30,19 @@ Worker role (:class:`SharedStorageWorker`)
     a failed or timed-out load is reported in ``finished_recving`` and ``failed_recving``
     with its failing block ids invalid (WRK-011, WRK-014).
 
+Prefill/decode hand-off
+    An engine whose role is ``TransferRole.PRODUCER`` returns, from ``request_finished``,
+    ``kv_transfer_params = {"kvspec.shared_storage": {"blocks": n}}``: the request's first
+    ``n`` blocks are stored or being stored. A request that arrives with these parameters
+    (on any engine) has its match deferred (``None``, SCH-002) while those blocks are not
+    all marked stored yet, for at most ``handoff_timeout_s`` after ``on_new_request``; then
+    it matches whatever is stored.
+
 Configuration (``config.extra``): ``storage_dir`` (str), ``io_timeout_s`` (float > 0,
 default 30: a transfer not done by then ends as failed), ``load_delay_s`` (float >= 0,
 default 0: the background thread waits this long before each load, for tests that need a
-load in flight).
+load in flight), ``handoff_timeout_s`` (float > 0, default 30: the longest a handed-off
+request's match is deferred).
 """
 
 from __future__ import annotations
@@ -80,6 +89,7 @@ from kvspec.protocols import (
     SchedulerConnector,
     SchedulerOutputView,
     SupportsAggregate,
+    TransferRole,
     UnknownRequestError,
     WorkerConnector,
 )
@@ -92,9 +102,13 @@ __all__ = [
     "SharedStorageScheduler",
     "SharedStorageWorker",
     "StorageSettings",
+    "HANDOFF_PARAM",
     "block_path",
     "marker_path",
 ]
+
+HANDOFF_PARAM = "kvspec.shared_storage"
+"""The ``kv_transfer_params`` key of a producer's hand-off: ``{"blocks": n}``."""
 
 _log = logging.getLogger(__name__)
 
@@ -134,11 +148,14 @@ class StorageSettings:
             as failed (WRK-014); ``extra["io_timeout_s"]``, default 30.
         load_delay_s: Seconds the background thread waits before each load;
             ``extra["load_delay_s"]``, default 0. Lets tests keep a load in flight.
+        handoff_timeout_s: The longest a handed-off request's match is deferred while the
+            producer's save completes; ``extra["handoff_timeout_s"]``, default 30.
     """
 
     directory: str
     io_timeout_s: float = 30.0
     load_delay_s: float = 0.0
+    handoff_timeout_s: float = 30.0
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> StorageSettings:
@@ -165,6 +182,7 @@ class StorageSettings:
             directory=directory,
             io_timeout_s=_number(extra, "io_timeout_s", 30.0, positive=True),
             load_delay_s=_number(extra, "load_delay_s", 0.0, positive=False),
+            handoff_timeout_s=_number(extra, "handoff_timeout_s", 30.0, positive=True),
         )
 
 
@@ -572,6 +590,10 @@ class SharedStorageScheduler(SchedulerConnector):
         self._pending_saves: list[SaveJob] = []
         self._pending_aborts: list[str] = []
         self._events: list[KVCacheEvent] = []
+        # Deadlines of handed-off requests' deferral, and the time of the current scheduling
+        # phase (sampled once per step, so that repeated matches in a step agree, SCH-001).
+        self._handoff_until: dict[str, float] = {}
+        self._clock = time.monotonic()
 
     # -- seams ------------------------------------------------------------------------------
 
@@ -610,24 +632,53 @@ class SharedStorageScheduler(SchedulerConnector):
             stop += 1
         return (stop - start) * bs
 
+    @staticmethod
+    def _announced_blocks(request: RequestView) -> int | None:
+        """The block count of a producer's hand-off in the request's params, if any."""
+        params = request.kv_transfer_params
+        entry = params.get(HANDOFF_PARAM) if params is not None else None
+        blocks = entry.get("blocks") if isinstance(entry, Mapping) else None
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            return None
+        return blocks
+
+    def _awaits_handoff(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
+        """True while a handed-off request's announced blocks are not all stored yet."""
+        announced = self._announced_blocks(request)
+        until = self._handoff_until.get(request.request_id)
+        if announced is None or until is None or self._clock >= until:
+            return False
+        if num_computed_tokens % self._block_size:
+            return False
+        want = min(announced, self._match_limit(request), len(self._block_keys(request)))
+        return num_computed_tokens + count < want * self._block_size
+
     def on_new_request(self, request: RequestView) -> None:
-        """Remember the request's id (SCH-028)."""
+        """Remember the request's id (SCH-028), and when a hand-off's deferral ends."""
         self._known.add(_check_request(request).request_id)
+        if self._announced_blocks(request) is not None:
+            self._handoff_until[request.request_id] = (
+                time.monotonic() + self._settings.handoff_timeout_s
+            )
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Return ``(n, n > 0)``: ``n`` tokens of stored blocks after the computed ones.
 
-        Reads only the markers; the answer depends only on the request, the count and the
-        markers (SCH-001). It remembers ``num_computed_tokens`` as where a following
-        allocation's external tokens start.
+        Reads only the markers; the answer depends only on the request, the count, the
+        markers and, for a handed-off request, the step's time (SCH-001). A handed-off
+        request whose announced blocks are not all stored yet gets ``(None, False)``
+        (SCH-002) until its deferral ends. It remembers ``num_computed_tokens`` as where a
+        following allocation's external tokens start.
         """
         _check_request(request)
         _check_count("num_computed_tokens", num_computed_tokens)
         count = self._match(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
+        if self._awaits_handoff(request, num_computed_tokens, count):
+            return None, False
         return count, self._is_async(count)
 
     def update_state_after_alloc(
@@ -743,7 +794,9 @@ class SharedStorageScheduler(SchedulerConnector):
         ``aborted_loads``. Otherwise, when some of the first
         ``min(len(block_hashes), num_computed_tokens // block_size)`` blocks have no marker
         and no other request is saving them, a save job goes into the next metadata and the
-        call returns ``(True, None)`` (SCH-016); else ``(False, None)``.
+        call returns ``(True, params)`` (SCH-016); else ``(False, params)``. ``params`` is
+        None, except on a ``TransferRole.PRODUCER`` engine: the hand-off parameters (see the
+        module docstring).
 
         Raises:
             UnknownRequestError: the request was never seen or already finished (SCH-028).
@@ -761,13 +814,15 @@ class SharedStorageScheduler(SchedulerConnector):
         AllocatedBlocks.single(block_ids).check_budget(self._config.num_blocks)
         self._known.discard(rid)
         self._asked.pop(rid, None)
+        self._handoff_until.pop(rid, None)
         if rid in self._loading:
             self._pending_aborts.append(rid)
             return False, None
         block_ids = tuple(block_ids)
+        params = self._handoff_params(request, block_ids)
         positions = self._unsaved_blocks(request, block_ids)
         if not positions:
-            return False, None
+            return False, params
         delay = self._delay_free()
         keys = self._block_keys(request)
         job = SaveJob(rid, tuple((block_ids[i], keys[i]) for i in positions), report=delay)
@@ -777,7 +832,20 @@ class SharedStorageScheduler(SchedulerConnector):
         self._pending_saves.append(job)
         self._saving_keys.update(record.keys)
         (self._saving if delay else self._unreported)[rid] = record
-        return delay, None
+        return delay, params
+
+    def _handoff_params(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> Mapping[str, Any] | None:
+        """A producer's hand-off parameters: how many leading blocks are (being) stored."""
+        if self._config.role is not TransferRole.PRODUCER:
+            return None
+        full = min(
+            len(self._block_keys(request)),
+            request.num_computed_tokens // self._block_size,
+            len(block_ids),
+        )
+        return {HANDOFF_PARAM: {"blocks": full}} if full else None
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -790,6 +858,7 @@ class SharedStorageScheduler(SchedulerConnector):
                 f"{type(scheduler_output).__name__}",
                 clause="ERR-002",
             )
+        self._clock = time.monotonic()
         meta = SharedStorageMetadata(
             loads=tuple(self._pending_loads),
             saves=tuple(self._pending_saves),
@@ -867,7 +936,7 @@ class SharedStorageScheduler(SchedulerConnector):
         for state in (
             self._known, self._asked, self._loading, self._saving, self._unreported,
             self._saving_keys, self._pending_loads, self._pending_saves, self._pending_aborts,
-            self._events,
+            self._events, self._handoff_until,
         ):
             state.clear()
 
@@ -900,7 +969,8 @@ class SharedStorageWorker(WorkerConnector):
 
     Rank ``r`` reads and writes only ``<key>.rank<r>`` files. One background thread per
     worker does the file I/O and the copies of loads; saves are snapshotted on the calling
-    thread. The seams :meth:`_after_load` and :meth:`_report` exist for the broken variants.
+    thread. The seams :attr:`_sync_saves`, :meth:`_load_delay_s`, :meth:`_after_load` and
+    :meth:`_report` exist for the broken variants.
     """
 
     def __init__(self, config: EngineConfigView, rank: int) -> None:
@@ -931,6 +1001,13 @@ class SharedStorageWorker(WorkerConnector):
         self._counters: dict[str, int] = {}
 
     # -- seams ------------------------------------------------------------------------------
+
+    _sync_saves: ClassVar[bool] = False
+    """Write saves' files on the calling thread, in ``start_load_kv``; default: background."""
+
+    def _load_delay_s(self) -> float:
+        """Seconds the background thread waits before each load (``load_delay_s``)."""
+        return self._settings.load_delay_s
 
     def _after_load(self, data: torch.Tensor) -> torch.Tensor:
         """Hook on a block's bytes (flat uint8) read from storage, before they are copied
@@ -1060,9 +1137,12 @@ class SharedStorageWorker(WorkerConnector):
             ids = tuple(b for b, _ in save.blocks)
             snapshot = self._snapshot(ids)
             j = _Job(save.request_id, ids, timeout, save.report)
-            j.future = pool.submit(
-                self._write_blocks, j, tuple(k for _, k in save.blocks), snapshot
-            )
+            keys = tuple(k for _, k in save.blocks)
+            if self._sync_saves:
+                j.future = concurrent.futures.Future()
+                j.future.set_result(self._write_blocks(j, keys, snapshot))
+            else:
+                j.future = pool.submit(self._write_blocks, j, keys, snapshot)
             self._saves[save.request_id] = j
 
     # -- transfers --------------------------------------------------------------------------
@@ -1083,12 +1163,24 @@ class SharedStorageWorker(WorkerConnector):
     def _block(self, tensor: torch.Tensor, block: int) -> torch.Tensor:
         return tensor[:, block] if self._split else tensor[block]
 
+    def _copy_in(self, block: int, src: torch.Tensor) -> None:
+        """Copy one block, ``(num_storages, *block)`` on the host, into the KV caches."""
+        if self._stream is None:
+            for tensor, part in zip(self._tensors, src):
+                self._block(tensor, block).copy_(part)
+            return
+        with torch.cuda.stream(self._stream):
+            for tensor, part in zip(self._tensors, src):
+                self._block(tensor, block).copy_(part)
+        self._stream.synchronize()  # the block is complete before the load is reported
+
     def _load_blocks(self, job: _Job, blocks: tuple[tuple[int, str], ...]) -> tuple[int, ...]:
         """Background thread: read and copy in each block; return the ids that failed."""
         layout = self._layout
         assert layout is not None
-        if self._settings.load_delay_s:
-            self._closing.wait(self._settings.load_delay_s)
+        delay = self._load_delay_s()
+        if delay:
+            self._closing.wait(delay)  # returns early at shutdown
         failed: list[int] = []
         for block, key in blocks:
             if self._closing.is_set() or job.cancelled.is_set():
@@ -1100,18 +1192,16 @@ class SharedStorageWorker(WorkerConnector):
                     layout.dtype, self._block_shape,
                 )
                 src = self._after_load(data).view(layout.dtype).reshape(self._block_shape)
-                with job.lock:
-                    if job.cancelled.is_set():
+                if not job.lock.acquire(timeout=_LOCK_TIMEOUT_S):  # every wait is bounded
+                    failed.append(block)
+                    continue
+                try:
+                    if job.cancelled.is_set():  # timed out meanwhile: write nothing more
                         failed.append(block)
                         continue
-                    if self._stream is not None:
-                        with torch.cuda.stream(self._stream):
-                            for tensor, part in zip(self._tensors, src):
-                                self._block(tensor, block).copy_(part)
-                        self._stream.synchronize()
-                    else:
-                        for tensor, part in zip(self._tensors, src):
-                            self._block(tensor, block).copy_(part)
+                    self._copy_in(block, src)
+                finally:
+                    job.lock.release()
             except (OSError, KVSpecError, RuntimeError, ValueError) as e:
                 _log.info("rank %d: load of block %s into %d failed: %s", self._rank, key, block, e)
                 failed.append(block)
@@ -1240,9 +1330,11 @@ class SharedStorageWorker(WorkerConnector):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+            # A future cancelled before it started stays CANCELLED, which wait() never
+            # counts as done: waiting on it would always run into the timeout.
             futures = [
                 j.future for j in (*self._loads.values(), *self._saves.values())
-                if j.future is not None
+                if j.future is not None and not j.future.cancelled()
             ]
             concurrent.futures.wait(futures, timeout=self._settings.io_timeout_s)
             deadline = time.monotonic() + _LOCK_TIMEOUT_S
