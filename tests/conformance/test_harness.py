@@ -213,3 +213,56 @@ def test_dead_worker_process_fails_fast_without_hanging() -> None:
     finally:
         e.shutdown()
     assert [p.poll() is not None for p in procs] == [True, True]  # both reaped, none left
+
+
+def test_per_layer_hooks_run_in_spec_order() -> None:
+    """With eager per-layer hooks the engine calls, per forward: bind, start_load_kv, then
+    per layer wait_for_layer_load before and save_kv_layer after the layer's write, then
+    wait_for_save, clear, output (WRK-003..WRK-008); zero-token steps skip the layers."""
+    from kvspec.conformance.connectors.null import NullWorker
+    from kvspec.protocols import Capabilities, HookGraphMode
+
+    calls: list[str] = []
+
+    class Worker(NullWorker):
+        def bind_connector_metadata(self, metadata):  # type: ignore[no-untyped-def]
+            calls.append("bind")
+            super().bind_connector_metadata(metadata)
+
+        def start_load_kv(self, forward_context):  # type: ignore[no-untyped-def]
+            calls.append(f"start {forward_context.num_tokens}")
+            super().start_load_kv(forward_context)
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            calls.append(f"wait {layer_name[-6]}")
+
+        def save_kv_layer(self, layer_name, kv_layer, forward_context):  # type: ignore[no-untyped-def]
+            calls.append(f"save {layer_name[-6]}")
+
+        def wait_for_save(self) -> None:
+            calls.append("wait_for_save")
+
+        def clear_connector_metadata(self) -> None:
+            calls.append("clear")
+            super().clear_connector_metadata()
+
+        def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+            calls.append("output")
+            return frozenset(), frozenset()
+
+    class Layerwise(NullConnector):
+        @property
+        def capabilities(self) -> Capabilities:
+            return Capabilities(layer_hooks=HookGraphMode.EAGER)
+
+        def create_worker(self, config, rank):  # type: ignore[no-untyped-def]
+            return Worker(config, rank)
+
+    with Engine(Layerwise(), HarnessConfig(num_layers=2)) as e:
+        e.add_request(RequestSpec("a", (1, 2, 3), max_new_tokens=1))
+        e.step()
+        assert calls == ["bind", "start 3", "wait 0", "save 0", "wait 1", "save 1",
+                         "wait_for_save", "clear", "output"]
+        calls.clear()
+        e.step()  # nothing scheduled: no layer runs, the output hooks still do (WRK-008)
+        assert calls == ["bind", "start 0", "wait_for_save", "clear", "output"]

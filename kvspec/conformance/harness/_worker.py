@@ -93,7 +93,8 @@ class WorkerRuntime:
         if plan.start_load:
             self.connector.start_load_kv(ctx)
         prepared = [self._prepare(r) for r in reqs]
-        for layer, name in enumerate(self.layer_names):
+        # A step that schedules no token runs no layer: only the step-level hooks (WRK-008).
+        for layer, name in enumerate(self.layer_names if reqs else ()):
             if plan.layer_hooks.value != "not_called":
                 self.connector.wait_for_layer_load(name)
             for r, (hashes, blocks, offs) in zip(reqs, prepared):
