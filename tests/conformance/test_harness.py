@@ -266,3 +266,26 @@ def test_per_layer_hooks_run_in_spec_order() -> None:
         calls.clear()
         e.step()  # nothing scheduled: no layer runs, the output hooks still do (WRK-008)
         assert calls == ["bind", "start 0", "wait_for_save", "clear", "output"]
+
+
+def test_engine_uses_the_connectors_own_aggregator(tmp_path: os.PathLike[str]) -> None:
+    """A connector's executor role replaces the standard aggregator (EXE-012)."""
+    from collections.abc import Sequence
+
+    from kvspec.protocols import KVConnectorOutput, StandardAggregator
+
+    seen: list[int] = []
+
+    class Counting(StandardAggregator):
+        def aggregate(self, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
+            seen.append(len(outputs))
+            return super().aggregate(outputs)
+
+    class WithExecutor(SharedStorageConnector):
+        def create_executor(self, config):  # type: ignore[no-untyped-def]
+            return Counting(config.world_size)
+
+    with Engine(WithExecutor(), HarnessConfig(prefix_caching=False), tmpdir=str(tmp_path)) as e:
+        result = e.run(SCENARIOS["full-prompt-hit"])
+    assert seen and set(seen) == {1} and len(seen) == result.steps
+    assert result.external_tokens["again"] == 12  # its counting let the load complete
