@@ -38,6 +38,8 @@ from kvspec.protocols import (
     WorkerConnector,
 )
 
+from ._checks import check_count, check_request
+
 __all__ = ["NullConnector", "NullMetadata", "NullScheduler", "NullWorker"]
 
 
@@ -77,18 +79,6 @@ class NullMetadata:
         return cls()
 
 
-def _check_request(request: object) -> RequestView:
-    if not isinstance(request, RequestView):
-        raise InvalidArgumentError(
-            f"request must be a RequestView, got {type(request).__name__}", clause="ERR-002"
-        )
-    return request
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}", clause="ERR-002")
-    return value
 
 
 class NullScheduler(SchedulerConnector):
@@ -110,14 +100,14 @@ class NullScheduler(SchedulerConnector):
 
     def on_new_request(self, request: RequestView) -> None:
         """Remember the request's id."""
-        self._known.add(_check_request(request).request_id)
+        self._known.add(check_request(request).request_id)
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Return ``(0, False)``: nothing can be loaded (SCH-001, SCH-004)."""
-        _check_request(request)
-        _check_count("num_computed_tokens", num_computed_tokens)
+        check_request(request)
+        check_count("num_computed_tokens", num_computed_tokens)
         # Idempotent: the engine calls on_new_request first, so this adds nothing another
         # hook could tell apart; it only keeps engines that skip on_new_request working.
         self._known.add(request.request_id)
@@ -133,7 +123,7 @@ class NullScheduler(SchedulerConnector):
             InvalidArgumentError: ``num_external_tokens`` is not 0, which this connector
                 never matched (SCH-004).
         """
-        _check_request(request)
+        check_request(request)
         if request.request_id not in self._known:
             raise UnknownRequestError(
                 f"update_state_after_alloc for request {request.request_id!r}, which this "
@@ -142,7 +132,7 @@ class NullScheduler(SchedulerConnector):
                 request_id=request.request_id,
                 clause="SCH-028",
             )
-        if _check_count("num_external_tokens", num_external_tokens) != 0:
+        if check_count("num_external_tokens", num_external_tokens) != 0:
             raise InvalidArgumentError(
                 f"num_external_tokens is {num_external_tokens} for request "
                 f"{request.request_id!r}, but the null connector matched 0 tokens",
@@ -167,7 +157,7 @@ class NullScheduler(SchedulerConnector):
         Raises:
             UnknownRequestError: the request was never seen or already finished (SCH-028).
         """
-        _check_request(request)
+        check_request(request)
         if request.request_id not in self._known:
             raise UnknownRequestError(
                 f"request_finished for request {request.request_id!r}, which this connector "

@@ -94,6 +94,8 @@ from kvspec.protocols import (
     WorkerConnector,
 )
 
+from ._checks import check_count, check_request
+
 __all__ = [
     "LoadJob",
     "SaveJob",
@@ -542,18 +544,6 @@ def _reject_constant(name: str) -> object:
 # ----------------------------------------------------------------------------- scheduler
 
 
-def _check_request(request: object) -> RequestView:
-    if not isinstance(request, RequestView):
-        raise InvalidArgumentError(
-            f"request must be a RequestView, got {type(request).__name__}", clause="ERR-002"
-        )
-    return request
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}", clause="ERR-002")
-    return value
 
 
 @attrs.frozen
@@ -655,7 +645,7 @@ class SharedStorageScheduler(SchedulerConnector):
 
     def on_new_request(self, request: RequestView) -> None:
         """Remember the request's id (SCH-028), and when a hand-off's deferral ends."""
-        self._known.add(_check_request(request).request_id)
+        self._known.add(check_request(request).request_id)
         if self._announced_blocks(request) is not None:
             self._handoff_until[request.request_id] = (
                 time.monotonic() + self._settings.handoff_timeout_s
@@ -672,8 +662,8 @@ class SharedStorageScheduler(SchedulerConnector):
         (SCH-002) until its deferral ends. It remembers ``num_computed_tokens`` as where a
         following allocation's external tokens start.
         """
-        _check_request(request)
-        _check_count("num_computed_tokens", num_computed_tokens)
+        check_request(request)
+        check_count("num_computed_tokens", num_computed_tokens)
         count = self._match(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
@@ -697,7 +687,7 @@ class SharedStorageScheduler(SchedulerConnector):
             InvalidArgumentError: the external tokens are not whole blocks, do not fit
                 ``blocks``, or a load for the request is already in flight.
         """
-        _check_request(request)
+        check_request(request)
         rid = request.request_id
         if rid not in self._known:
             raise UnknownRequestError(
@@ -710,7 +700,7 @@ class SharedStorageScheduler(SchedulerConnector):
             raise InvalidArgumentError(
                 f"blocks must be AllocatedBlocks, got {type(blocks).__name__}", clause="ERR-002"
             )
-        if _check_count("num_external_tokens", num_external_tokens) == 0:
+        if check_count("num_external_tokens", num_external_tokens) == 0:
             return
         blocks.check_budget(self._config.num_blocks)
         bs = self._block_size
@@ -802,7 +792,7 @@ class SharedStorageScheduler(SchedulerConnector):
             UnknownRequestError: the request was never seen or already finished (SCH-028).
             InvalidBlockIdError: a block id is outside the budget (LAY-012).
         """
-        _check_request(request)
+        check_request(request)
         rid = request.request_id
         if rid not in self._known:
             raise UnknownRequestError(
