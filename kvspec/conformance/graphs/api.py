@@ -60,6 +60,7 @@ from ...protocols.errors import (
 
 __all__ = [
     "DATA_DEPENDENT_SHAPE_OPS",
+    "DEFAULT_WARMUP",
     "HOST_READ_METHODS",
     "HOST_SYNC_OPS",
     "CaptureStateError",
@@ -350,6 +351,9 @@ def _is_mask(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
 
 
+_INDEX_PUT_OPS = ("aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten._unsafe_index_put")
+
+
 def _data_dependent_reason(
     name: str, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> str | None:
@@ -363,7 +367,7 @@ def _data_dependent_reason(
         if any(_is_mask(i) for i in indices):
             return "boolean-mask indexing, which runs nonzero()"
         return None
-    if name in ("aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten._unsafe_index_put"):
+    if name in _INDEX_PUT_OPS:
         indices = [i for i in (_arg(args, kwargs, 1, "indices") or ()) if i is not None]
         if not any(_is_mask(i) for i in indices):
             return None
@@ -408,8 +412,11 @@ class _HostReadGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _CheckingDispatchMode(TorchDispatchMode):
+class _CheckingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs every op as is after the GRA-004 checks (used around real CUDA capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self,
@@ -471,23 +478,27 @@ def _host_sync_guard() -> Iterator[None]:
 def _translate_capture_error(err: BaseException) -> ContractViolation | None:
     """Turn CUDA's own stream-capture error into the GRA-004 violation, with the call site.
 
-    The first exception in ``err``'s chain whose message mentions capture is used; its
-    traceback gives the innermost frame outside torch and this package.
+    Of the exceptions in ``err``'s chain whose message mentions capture, the innermost (the one
+    the others were raised on top of, typically by ``capture_end``) is used; its traceback gives
+    the innermost frame outside torch and this package. None if no exception in the chain is
+    about capture.
     """
     seen: set[int] = set()
+    found: BaseException | None = None
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, RuntimeError) and not isinstance(current, KVSpecError):
-            message = str(current)
-            if "captur" in message.lower():
-                first = message.strip().splitlines()[0] if message.strip() else type(current).__name__
-                return _violation(
-                    f"a CUDA call not permitted during stream capture ({first})",
-                    _traceback_site(current.__traceback__),
-                )
+        if isinstance(current, RuntimeError) and "captur" in str(current).lower():
+            found = current
         current = current.__cause__ or current.__context__
-    return None
+    if found is None:
+        return None
+    lines = str(found).strip().splitlines()
+    detail = lines[0] if lines else type(found).__name__
+    return _violation(
+        f"a CUDA call not permitted during stream capture ({detail})",
+        _traceback_site(found.__traceback__),
+    )
 
 
 def _cuda_unavailable() -> CapabilityError:

@@ -14,7 +14,7 @@ attributed to the clause it breaks (see :meth:`WorkerRuntime._attribute`).
 from __future__ import annotations
 
 import base64
-import time
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,15 +23,24 @@ import torch
 from kvspec.protocols import (
     ConnectorFactory,
     ConnectorMetadata,
+    ContractViolation,
     ForwardContextView,
     ForwardKind,
+    ForwardPlan,
     GraphMode,
+    HookGraphMode,
+    HookPlacement,
     KVConnectorOutput,
     KVPacking,
+    KVSpecError,
     MalformedMetadataError,
+    MetadataBinding,
     WorkerConnector,
     plan_forward,
+    resolve_graph_mode,
 )
+
+from ..graphs import CapturedGraph, make_capturer
 
 from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
@@ -45,11 +54,15 @@ ALLOC_POISON = POISON + 2
 
 
 class WorkerRuntime:
-    """A worker rank: owns its KV buffer, runs the toy forward, calls the connector's hooks."""
+    """A worker rank: owns its KV buffer, runs the toy forward, calls the connector's hooks.
+
+    The forward reads and writes the KV cache through persistent index and value buffers
+    filled outside the forward, so the same forward runs eagerly, between the captured
+    pieces of a PIECEWISE graph, or captured whole in a FULL graph (GRA-005, GRA-007).
+    """
 
     def __init__(
         self, factory: ConnectorFactory, config: HarnessConfig, rank: int, tmpdir: str,
-        metadata_type: type[ConnectorMetadata] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -65,61 +78,170 @@ class WorkerRuntime:
         self.heads = range(rank * hpr, (rank + 1) * hpr)
         self.model = ToyModel(config.num_layers, config.num_heads, config.head_size, config.head_size)
         self.connector: WorkerConnector = factory.create_worker(config.engine_view(tmpdir), rank)
-        self.metadata_type = metadata_type
-        self.plan = plan_forward(ForwardKind.REAL, GraphMode.NONE, self.caps.layer_hooks)
+        self.mode = resolve_graph_mode(config.graph_mode, self.caps.layer_hooks,
+                                       strict=config.strict_graphs).effective
+        # Persistent buffers: the forward's only inputs (GRA-005).
+        pad, chans = config.pad_block, 2 * config.head_size
+        self.t_max = max(config.max_tokens_per_step, *config.capture_sizes)
+        self.r_max = config.num_blocks * config.block_size
+        self.slot_block = torch.full((self.t_max,), pad, dtype=torch.int64)
+        self.slot_off = torch.zeros(self.t_max, dtype=torch.int64)
+        self.vals = torch.zeros(config.num_layers, self.t_max, hpr, chans, dtype=self.layout.dtype)
+        self.read_block = torch.full((self.r_max,), pad, dtype=torch.int64)
+        self.read_off = torch.zeros(self.r_max, dtype=torch.int64)
+        self.read_out = torch.zeros(config.num_layers, self.r_max, hpr, chans, dtype=self.layout.dtype)
+        self.hidden = torch.zeros(config.num_layers, self.t_max, 4)
+        self.graphs: dict[int, list[CapturedGraph]] = {}
+        self.capturer = make_capturer("cpu", warmup=0) if self.mode is not GraphMode.NONE else None
+        self.hook_calls = 0
         self._closed = False
+        self._forward(ForwardKind.PROFILE, self.t_max)  # before registration: no hook (DRY-002)
 
     # -- messages --------------------------------------------------------------------------
 
     def register(self) -> None:
-        """Register the KV caches with the connector (WRK-001)."""
+        """Register the KV caches (WRK-001), then warm up and capture the configured sizes."""
         self.connector.register_kv_caches(dict(zip(self.layer_names, self.layers)), self.layout)
+        if self.mode is not GraphMode.NONE and not self.config.lazy_capture:
+            for size in self.config.capture_sizes:
+                self._capture(size)
 
     def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> tuple[KVConnectorOutput, list[dict[str, str]]]:
         """Run one real step; return the connector output and the violations observed."""
-        violations: list[dict[str, str]] = []
         for b in msg["poison_freed"]:
             self._poison(b, FREED_POISON)
         for b in msg["poison_alloc"]:
             self._poison(b, ALLOC_POISON)
+        reqs = msg["reqs"]
+        tokens = sum(r["n"] for r in reqs)
+        size = self._padded(tokens)
+        if size is not None and size not in self.graphs:
+            self._capture(size)  # lazy: mid-serving, transfers in flight (GRA-008)
+        kind = ForwardKind.REPLAY if size is not None else ForwardKind.REAL
+        reads = self._fill(reqs)
         if msg["preempted"]:
             self.connector.handle_preemptions(frozenset(msg["preempted"]))
-        reqs = msg["reqs"]
-        ctx = ForwardContextView(
-            ForwardKind.REAL, msg["step"], sum(r["n"] for r in reqs), self.layer_names
-        )
-        plan = self.plan
+        ctx = ForwardContextView(kind, msg["step"], size or tokens, self.layer_names)
         self.connector.bind_connector_metadata(meta)
+        plan = self._plan(kind)
         if plan.start_load:
             self.connector.start_load_kv(ctx)
-        prepared = [self._prepare(r) for r in reqs]
-        # A step that schedules no token runs no layer: only the step-level hooks (WRK-008).
-        for layer, name in enumerate(self.layer_names if reqs else ()):
-            if plan.layer_hooks.value != "not_called":
-                self.connector.wait_for_layer_load(name)
-            for r, (hashes, blocks, offs) in zip(reqs, prepared):
-                self._check_read(r, hashes, blocks, offs, layer, violations)
-                self._write(r, hashes, blocks, offs, layer)
-            if plan.layer_hooks.value != "not_called":
-                self.connector.save_kv_layer(name, self.layers[layer], ctx)
+        if reqs:
+            self._forward(kind, size or tokens, ctx)
         if plan.wait_for_save:
             self.connector.wait_for_save()
         self.connector.clear_connector_metadata()
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
+        violations = self._check_reads(reqs, reads, out.invalid_block_ids, kind)
         return out, violations
-
-    def idle_output(self, finished: list[str]) -> KVConnectorOutput:
-        """Output hooks on a step with no forward on this rank (WRK-008)."""
-        return self.connector.build_connector_output(frozenset(finished))
 
     def shutdown(self) -> None:
         """Shut the connector down twice: it must be idempotent (WRK-015)."""
         if not self._closed:
             self._closed = True
+            for pieces in self.graphs.values():
+                for g in pieces:
+                    g.reset()
+            self.graphs.clear()
             self.connector.shutdown()
             self.connector.shutdown()
 
-    # -- the toy forward -------------------------------------------------------------------
+    # -- forwards --------------------------------------------------------------------------
+
+    def _plan(self, kind: ForwardKind) -> ForwardPlan:
+        mode = self.mode if kind in (ForwardKind.CAPTURE, ForwardKind.REPLAY) else GraphMode.NONE
+        if kind is ForwardKind.REAL and self.mode is not GraphMode.NONE:
+            mode = GraphMode.NONE  # a step with no captured size runs eagerly (GRA-009)
+        return plan_forward(kind, mode, self.caps.layer_hooks)
+
+    def _padded(self, tokens: int) -> int | None:
+        if self.mode is GraphMode.NONE or tokens == 0:
+            return None
+        return next((s for s in self.config.capture_sizes if s >= tokens), None)
+
+    def _hook(self, name: str, layer: int, ctx: ForwardContextView | None) -> None:
+        self.hook_calls += 1
+        if name == "wait":
+            self.connector.wait_for_layer_load(self.layer_names[layer])
+        else:
+            assert ctx is not None
+            self.connector.save_kv_layer(self.layer_names[layer], self.layers[layer], ctx)
+
+    def _attention(self, layer: int, size: int) -> None:
+        """Read the whole cache through the read buffers, then write this step's KV."""
+        t = self.layers[layer]
+        blocks, offs, vals = self.slot_block[:size], self.slot_off[:size], self.vals[layer, :size]
+        if self.layout.packing is KVPacking.SPLIT:
+            d = self.config.head_size
+            kv = t[:, self.read_block, :, self.read_off, :]  # [R, 2, H, D]
+            self.read_out[layer].copy_(torch.cat([kv[:, 0], kv[:, 1]], dim=-1))
+            t[0, blocks, :, offs, :] = vals[..., :d]
+            t[1, blocks, :, offs, :] = vals[..., d:]
+        else:
+            self.read_out[layer].copy_(t[self.read_block, :, self.read_off, :])
+            t[blocks, :, offs, :] = vals
+
+    def _mlp(self, layer: int, size: int) -> None:
+        """The part of a layer PIECEWISE graphs capture: device work on persistent state."""
+        self.hidden[layer, :size].mul_(0.5).add_(1.0)
+
+    def _forward(self, kind: ForwardKind, size: int, ctx: ForwardContextView | None = None,
+                 plan: ForwardPlan | None = None) -> None:
+        plan = plan or self._plan(kind)
+        layer_hooks = plan.layer_hooks in (HookPlacement.EAGER, HookPlacement.CAPTURED)
+        if kind is ForwardKind.REPLAY and self.mode is GraphMode.FULL:
+            self.graphs[size][0].replay()  # hooks replay as captured work (GRA-006)
+            return
+        pieces = self.graphs.get(size, []) if kind is ForwardKind.REPLAY else []
+        for layer in range(self.config.num_layers):
+            if layer_hooks:
+                self._hook("wait", layer, ctx)
+            self._attention(layer, size)
+            if layer_hooks:
+                self._hook("save", layer, ctx)
+            if pieces:
+                pieces[layer].replay()
+            else:
+                self._mlp(layer, size)
+
+    def _dummy(self, kind: ForwardKind, size: int) -> None:
+        """A warm-up or capture forward: the connector's own dummy metadata (DRY-005)."""
+        plan = self._plan(kind)
+        ctx = ForwardContextView(kind, None, size, self.layer_names)
+        self._fill([])  # dummy tokens write the pad block only (DRY-009)
+        try:
+            if plan.binding is MetadataBinding.DUMMY:
+                self.connector.bind_connector_metadata(self.connector.build_dummy_connector_meta(ctx))
+            if plan.start_load:
+                self.connector.start_load_kv(ctx)
+            if kind is ForwardKind.WARMUP:
+                self._forward(kind, size, ctx, plan)
+            elif self.mode is GraphMode.FULL:
+                assert self.capturer is not None
+                graph, _ = self.capturer.capture(lambda: self._forward(ForwardKind.WARMUP, size, ctx, plan))
+                self.graphs[size] = [graph]
+            else:
+                assert self.capturer is not None
+                self._forward(kind, size, ctx, plan)  # attention and hooks stay eager (GRA-003)
+                self.graphs[size] = [self.capturer.capture(functools.partial(self._mlp, layer, size))[0]
+                                     for layer in range(self.config.num_layers)]
+            if plan.wait_for_save:
+                self.connector.wait_for_save()
+            if plan.binding is MetadataBinding.DUMMY:
+                self.connector.clear_connector_metadata()
+        except KVSpecError:
+            raise
+        except Exception as e:
+            raise ContractViolation(
+                "DRY-005", observed=f"{type(e).__name__}: {e} in a {kind.value} run of size {size}",
+                expected="hooks that work with the metadata build_dummy_connector_meta built",
+            ) from e
+
+    def _capture(self, size: int) -> None:
+        self._dummy(ForwardKind.WARMUP, size)
+        self._dummy(ForwardKind.CAPTURE, size)
+
+    # -- buffers and checks ----------------------------------------------------------------
 
     def _poison(self, block: int, value: int) -> None:
         for t in self.layers:
@@ -128,48 +250,71 @@ class WorkerRuntime:
             else:
                 t[block].fill_(value)
 
-    def _prepare(self, r: Mapping[str, Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        hashes = prefix_hashes(tuple(r["tokens"]), r["seed"])
-        end = r["start"] + r["n"]
-        pos = torch.arange(end)
+    def _fill(self, reqs: list[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], list[int], int]]:
+        """Fill the persistent buffers for this step's tokens; return each request's reads."""
+        bs, pad = self.config.block_size, self.config.pad_block
+        slot_b: list[int] = []
+        slot_o: list[int] = []
+        read_b: list[int] = []
+        read_o: list[int] = []
+        reads: list[tuple[Mapping[str, Any], list[int], int]] = []
+        vals: list[torch.Tensor] = []
+        for r in reqs:
+            s, e = r["start"], r["start"] + r["n"]
+            hashes = prefix_hashes(tuple(r["tokens"]), r["seed"])
+            blocks = r["blocks"]
+            for p in range(s, e):
+                slot_b.append(blocks[p // bs])
+                slot_o.append(p % bs)
+            reads.append((r, hashes, len(read_b)))
+            for p in range(s):
+                read_b.append(blocks[p // bs])
+                read_o.append(p % bs)
+            vals.append(torch.stack([self.model.kv(hashes[s:e], layer, self.heads)
+                                     for layer in range(self.config.num_layers)]))
+        n, m = len(slot_b), len(read_b)
+        self.slot_block.fill_(pad)
+        self.slot_off.copy_(torch.arange(self.t_max) % bs)
+        self.read_block.fill_(pad)
+        self.read_off.zero_()
+        self.vals.zero_()
+        if n:
+            self.slot_block[:n] = torch.tensor(slot_b)
+            self.slot_off[:n] = torch.tensor(slot_o)
+            self.vals[:, :n] = torch.cat(vals, dim=1).to(self.layout.dtype)
+        if m:
+            self.read_block[:m] = torch.tensor(read_b)
+            self.read_off[:m] = torch.tensor(read_o)
+        return reads
+
+    def _check_reads(self, reqs: list[Mapping[str, Any]], reads: list[tuple[Mapping[str, Any], list[int], int]],
+                     invalid: frozenset[int], kind: ForwardKind) -> list[dict[str, str]]:
+        """Compare what each layer's attention read with the toy model (WRK-013, SCH-010...).
+
+        Blocks the connector reported invalid in this step are skipped: the engine recomputes
+        them (SCH-024).
+        """
         bs = self.config.block_size
-        blocks = torch.tensor(r["blocks"], dtype=torch.int64)[pos // bs]
-        return hashes[:end], blocks, pos % bs
-
-    def _gather(self, layer: int, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        t = self.layers[layer]
-        if self.layout.packing is KVPacking.SPLIT:
-            kv = t[:, blocks, :, offs, :]  # [T, 2, H, D]
-            return torch.cat([kv[:, 0], kv[:, 1]], dim=-1)
-        return t[blocks, :, offs, :]
-
-    def _expected(self, hashes: list[int], layer: int) -> torch.Tensor:
-        return self.model.kv(hashes, layer, self.heads).to(self.layout.dtype)
-
-    def _write(self, r: Mapping[str, Any], hashes: list[int], blocks: torch.Tensor,
-               offs: torch.Tensor, layer: int) -> None:
-        s, e = r["start"], r["start"] + r["n"]
-        vals = self._expected(hashes[s:e], layer)
-        t = self.layers[layer]
-        if self.layout.packing is KVPacking.SPLIT:
-            d = self.config.head_size
-            t[0, blocks[s:e], :, offs[s:e], :] = vals[..., :d]
-            t[1, blocks[s:e], :, offs[s:e], :] = vals[..., d:]
-        else:
-            t[blocks[s:e], :, offs[s:e], :] = vals
-
-    def _check_read(self, r: Mapping[str, Any], hashes: list[int], blocks: torch.Tensor,
-                    offs: torch.Tensor, layer: int, violations: list[dict[str, str]]) -> None:
-        s = r["start"]
-        if s == 0 or violations:
-            return
-        got = self._gather(layer, blocks[:s], offs[:s])
-        want = self._expected(hashes[:s], layer)
-        if torch.equal(got, want):
-            return
-        bad = (got != want).flatten(1).any(dim=1).nonzero().flatten()
-        p = int(bad[0])
-        violations.append(self._attribute(r, hashes, p, layer, got[p], want[p]))
+        for layer in range(self.config.num_layers):
+            for r, hashes, at in reads:
+                s = r["start"]
+                if s == 0:
+                    continue
+                got = self.read_out[layer, at : at + s]
+                want = self.model.kv(hashes[:s], layer, self.heads).to(self.layout.dtype)
+                if torch.equal(got, want):
+                    continue
+                bad = (got != want).flatten(1).any(dim=1).nonzero().flatten().tolist()
+                bad = [p for p in bad if r["blocks"][p // bs] not in invalid]
+                if bad:
+                    p = bad[0]
+                    v = self._attribute(r, hashes, p, layer, got[p], want[p])
+                    if kind is ForwardKind.REPLAY and v["clause"] in ("WRK-005", "WRK-011", "WRK-013"):
+                        v = {"clause": "GRA-006", "observed": v["observed"] + " in a replayed "
+                             f"{self.mode.value} graph", "expected": "replay moving the same bytes "
+                             "as the same step run eagerly (no decision frozen at capture, GRA-004)"}
+                    return [v]
+        return []
 
     def _attribute(self, r: Mapping[str, Any], hashes: list[int], pos: int, layer: int,
                    got: torch.Tensor, want: torch.Tensor) -> dict[str, str]:
@@ -185,7 +330,7 @@ class WorkerRuntime:
                     "request_finished returned False", "expected": "no read of a request's "
                     "blocks after request_finished returned False"}
         if loaded and bool((got == ALLOC_POISON).all()):
-            clause = "WRK-005" if self.plan.layer_hooks.value == "eager" else "WRK-011"
+            clause = "WRK-005" if self.caps.layer_hooks is HookGraphMode.EAGER else "WRK-011"
             return {"clause": clause, "observed": f"{where} was never written although its load "
                     "was reported finished (or its layer's wait returned)", "expected": "a load "
                     "either fills the block before it is used or is reported failed with the "
@@ -219,9 +364,3 @@ def encode_meta(meta: ConnectorMetadata) -> str:
 def decode_meta(meta_type: type[ConnectorMetadata], text: str) -> ConnectorMetadata:
     """Decode metadata from :func:`encode_meta`'s text with the connector's own decoder."""
     return meta_type.decode(base64.b64decode(text))
-
-
-def wait(deadline: float) -> bool:
-    """Sleep a little; False once ``deadline`` (a monotonic time) has passed."""
-    time.sleep(0.0005)
-    return time.monotonic() < deadline

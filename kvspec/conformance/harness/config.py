@@ -10,6 +10,7 @@ import torch
 
 from kvspec.protocols import (
     EngineConfigView,
+    GraphMode,
     InvalidArgumentError,
     KVCacheLayout,
     KVPacking,
@@ -25,6 +26,13 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 def _order(value: StrideOrder | str) -> StrideOrder:
     return value if isinstance(value, StrideOrder) else StrideOrder.parse(value)
+
+
+def _sizes(value: Any) -> tuple[int, ...]:
+    out = tuple(sorted(set(value)))
+    if not out or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
+        raise InvalidArgumentError(f"capture_sizes must be ints >= 1, got {value!r}")
+    return out
 
 
 def _extra(value: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -54,6 +62,13 @@ class HarnessConfig:
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
+        graph_mode: NONE (eager), PIECEWISE or FULL; resolved against the connector's hook
+            declaration (GRA-002) by the workers.
+        capture_sizes: Padded token counts captured as graphs; a step is padded to the
+            smallest size that fits it, and larger steps run eagerly (GRA-009).
+        lazy_capture: Capture each size the first time a step needs it, mid-serving, with
+            transfers in flight (GRA-008), instead of at start-up.
+        strict_graphs: Refuse FULL graphs for eager hooks instead of downgrading (GRA-002).
         engine_id: The engine's id.
         role: Producer, consumer or both.
         extra: Connector configuration passed in ``EngineConfigView.extra``.
@@ -76,6 +91,10 @@ class HarnessConfig:
     max_tokens_per_step: int = 32
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
+    graph_mode: GraphMode = GraphMode.NONE
+    capture_sizes: tuple[int, ...] = attrs.field(default=(8, 32), converter=_sizes)
+    lazy_capture: bool = False
+    strict_graphs: bool = False
     engine_id: str = "engine-0"
     role: TransferRole = TransferRole.BOTH
     extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra)
@@ -100,11 +119,20 @@ class HarnessConfig:
             raise InvalidArgumentError(f"packing must be a KVPacking, got {self.packing!r}")
         if not isinstance(self.role, TransferRole):
             raise InvalidArgumentError(f"role must be a TransferRole, got {self.role!r}")
+        if not isinstance(self.graph_mode, GraphMode):
+            raise InvalidArgumentError(f"graph_mode must be a GraphMode, got {self.graph_mode!r}")
+        if self.num_blocks < 2:
+            raise InvalidArgumentError("num_blocks must be >= 2: the last block pads dummy runs")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The KV dtype."""
         return _DTYPES[self.dtype]
+
+    @property
+    def pad_block(self) -> int:
+        """The block the engine never hands out: padded and dummy tokens write here (DRY-009)."""
+        return self.num_blocks - 1
 
     @property
     def heads_per_rank(self) -> int:
@@ -133,8 +161,10 @@ class HarnessConfig:
         out: dict[str, Any] = {}
         for f in attrs.fields(HarnessConfig):
             v = getattr(self, f.name)
-            if isinstance(v, (StrideOrder, KVPacking, TransferRole)):
+            if isinstance(v, (StrideOrder, KVPacking, TransferRole, GraphMode)):
                 v = v.value
+            elif f.name == "capture_sizes":
+                v = list(v)
             elif f.name == "extra":
                 v = _plain(v)
             out[f.name] = v
@@ -146,6 +176,7 @@ class HarnessConfig:
         d = dict(data)
         d["packing"] = KVPacking(d["packing"])
         d["role"] = TransferRole(d["role"])
+        d["graph_mode"] = GraphMode(d["graph_mode"])
         return cls(**d)
 
 

@@ -155,7 +155,8 @@ class Engine:
             InProcessWorkers(factory, self.config, self.tmpdir) if self.config.tp_size == 1
             else ProcessWorkers(spec, self.config, self.tmpdir)
         )
-        self.pool = BlockPool(self.config.num_blocks, prefix_caching=self.config.prefix_caching)
+        # The last block is never handed out: padded and dummy tokens write there (DRY-009).
+        self.pool = BlockPool(self.config.num_blocks - 1, prefix_caching=self.config.prefix_caching)
         self.model = ToyModel(self.config.num_layers, self.config.num_heads,
                               self.config.head_size, self.config.head_size)
         self.requests: dict[str, _Req] = {}

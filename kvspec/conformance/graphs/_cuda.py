@@ -1,0 +1,124 @@
+"""CUDA graphs behind the common API: ``torch.cuda.CUDAGraph`` used as torch documents it.
+
+``capture(fn)`` warms ``fn`` up on a side stream, then captures it with
+``torch.cuda.graph(g, pool=...)`` into a private memory pool, under the same GRA-004 guards as
+the emulator (they raise before CUDA sees the illegal call, so the capture ends cleanly). A
+CUDA error about stream capture that the guards did not anticipate is turned into the same
+``ContractViolation`` with the call site taken from its traceback.
+
+Nothing here touches CUDA until a :class:`CudaCapturer` is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ...protocols.errors import KVSpecError
+from .api import (
+    CaptureStateError,
+    GraphCapturer,
+    _capture_region,
+    _CheckingDispatchMode,
+    _cuda_unavailable,
+    _ensure_not_capturing,
+    _host_sync_guard,
+    _require_callable,
+    _translate_capture_error,
+)
+
+__all__ = ["CudaCapturer", "CudaGraph"]
+
+T = TypeVar("T")
+
+
+class CudaGraph:
+    """A captured ``torch.cuda.CUDAGraph`` (a :class:`~.api.CapturedGraph`).
+
+    Holds the graph, its private memory pool and ``fn``'s outputs until :meth:`reset`, so the
+    addresses the graph writes stay allocated to it (GRA-004, GRA-005).
+    """
+
+    def __init__(self, graph: Any, pool: Any, device: torch.device, outputs: object) -> None:
+        self._graph: Any = graph
+        self._pool: Any = pool
+        self._device = device
+        self._outputs: object = outputs
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream of its device (GRA-006).
+
+        Raises:
+            CaptureStateError: the graph was reset, or a capture is under way.
+        """
+        _ensure_not_capturing("replay a graph")
+        if self._graph is None:
+            raise CaptureStateError("this graph was reset; capture it again to replay it")
+        with torch.cuda.device(self._device):
+            self._graph.replay()
+
+    def reset(self) -> None:
+        """Destroy the graph and drop its pool and outputs, so their memory can be freed."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+        self._pool = None
+        self._outputs = None
+
+
+def _kvspec_error_in_chain(err: BaseException) -> KVSpecError | None:
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KVSpecError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class CudaCapturer(GraphCapturer):
+    """The capturer :func:`~.api.make_capturer` returns for ``cuda``: real CUDA graphs.
+
+    Raises:
+        CapabilityError: CUDA is not available.
+    """
+
+    def __init__(self, device: torch.device, warmup: int) -> None:
+        import torch.cuda  # noqa: F401  (lazily: only a CUDA capturer needs it)
+
+        if not torch.cuda.is_available():
+            raise _cuda_unavailable()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        super().__init__(torch.device("cuda", index), warmup)
+
+    def capture(self, fn: Callable[[], T]) -> tuple[CudaGraph, T]:
+        """See :meth:`~.api.GraphCapturer.capture`."""
+        _require_callable(fn)
+        _ensure_not_capturing("start a capture")
+        with torch.cuda.device(self.device):
+            if self.warmup:
+                side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(self.warmup):
+                        fn()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            pool = torch.cuda.graph_pool_handle()
+            try:
+                with _capture_region(), torch.cuda.graph(graph, pool=pool):
+                    with _host_sync_guard(), _CheckingDispatchMode():
+                        out = fn()
+            except Exception as err:
+                # Our own refusal, even if capture_end then failed on top of it.
+                ours = _kvspec_error_in_chain(err)
+                if ours is not None:
+                    raise ours from None
+                violation = _translate_capture_error(err)
+                if violation is None:
+                    raise
+                raise violation from err
+        return CudaGraph(graph, pool, self.device, out), out
