@@ -289,3 +289,67 @@ def test_engine_uses_the_connectors_own_aggregator(tmp_path: os.PathLike[str]) -
         result = e.run(SCENARIOS["full-prompt-hit"])
     assert seen and set(seen) == {1} and len(seen) == result.steps
     assert result.external_tokens["again"] == 12  # its counting let the load complete
+
+
+def _eager_hooks_connector() -> NullConnector:
+    from kvspec.conformance.connectors.null import NullWorker
+    from kvspec.protocols import Capabilities, HookGraphMode
+
+    class Worker(NullWorker):
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            self.metadata_seen = True
+
+        def save_kv_layer(self, layer_name, kv_layer, forward_context):  # type: ignore[no-untyped-def]
+            self.metadata_seen = True
+
+    class Eager(NullConnector):
+        @property
+        def capabilities(self) -> Capabilities:
+            return Capabilities(layer_hooks=HookGraphMode.EAGER)
+
+        def create_worker(self, config, rank):  # type: ignore[no-untyped-def]
+            return Worker(config, rank)
+
+    return Eager()
+
+
+def test_full_graphs_downgrade_for_eager_hooks_and_lose_nothing() -> None:
+    """GRA-002: FULL is downgraded to PIECEWISE for eager hooks, which then run every step."""
+    from kvspec.protocols import GraphMode
+
+    with Engine(_eager_hooks_connector(), HarnessConfig(graph_mode=GraphMode.FULL)) as e:
+        assert e.workers.runtime.mode is GraphMode.PIECEWISE  # type: ignore[attr-defined]
+        e.run(SCENARIOS["single"])
+
+
+def test_strict_engine_refuses_full_graphs_for_eager_hooks() -> None:
+    from kvspec.protocols import CapabilityError, GraphMode
+
+    with pytest.raises(CapabilityError) as info:
+        Engine(_eager_hooks_connector(), HarnessConfig(graph_mode=GraphMode.FULL, strict_graphs=True))
+    assert info.value.clause == "GRA-002"
+
+
+def test_a_naive_engine_losing_hooks_under_full_replay_fails_gra010(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM issue 29608: an engine that runs FULL graphs with eager per-layer hooks skips them
+    at every replay. The harness must fail that loudly (GRA-010), never pass silently."""
+    from kvspec.conformance.harness import _worker
+    from kvspec.protocols import GraphMode, GraphModeDecision, HookGraphMode, plan_forward
+
+    def naive_resolve(requested, hooks, *, strict=False):  # type: ignore[no-untyped-def]
+        return GraphModeDecision(requested, requested, "naive: no downgrade")
+
+    def naive_plan(kind, mode, hooks):  # type: ignore[no-untyped-def]
+        if mode is GraphMode.FULL and hooks is HookGraphMode.EAGER:
+            mode = GraphMode.PIECEWISE  # the plan still promises the eager hooks...
+        return plan_forward(kind, mode, hooks)
+
+    monkeypatch.setattr(_worker, "resolve_graph_mode", naive_resolve)
+    monkeypatch.setattr(_worker, "plan_forward", naive_plan)
+    with pytest.raises(ContractViolation) as info:
+        with Engine(_eager_hooks_connector(), HarnessConfig(graph_mode=GraphMode.FULL)) as e:
+            e.run(SCENARIOS["single"])  # ...but the FULL replay runs no Python
+    assert info.value.clause == "GRA-010"
+    assert "0 per-layer hook calls in a replay step" in info.value.observed

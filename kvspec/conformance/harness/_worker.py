@@ -126,14 +126,27 @@ class WorkerRuntime:
         plan = self._plan(kind)
         if plan.start_load:
             self.connector.start_load_kv(ctx)
+        calls = self.hook_calls
         if reqs:
             self._forward(kind, size or tokens, ctx)
+        lost = self._lost_hooks(plan, self.hook_calls - calls, bool(reqs))
         if plan.wait_for_save:
             self.connector.wait_for_save()
         self.connector.clear_connector_metadata()
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
-        violations = self._check_reads(reqs, reads, out.invalid_block_ids, kind)
+        violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
         return out, violations
+
+    def _lost_hooks(self, plan: ForwardPlan, calls: int, ran: bool) -> list[dict[str, str]]:
+        """GRA-010: every per-layer hook the plan says runs eagerly ran, once per layer."""
+        want = 2 * self.config.num_layers if ran and plan.layer_hooks is HookPlacement.EAGER else 0
+        if calls == want:
+            return []
+        return [{"clause": "GRA-010", "observed": f"{calls} per-layer hook calls in a "
+                 f"{plan.kind.value} step run as {self.mode.value}, where the connector's "
+                 f"{self.caps.layer_hooks.value} hooks needed {want}",
+                 "expected": "wait_for_layer_load and save_kv_layer run for every layer of every "
+                 "step, eagerly or as captured work, never silently skipped by a replay"}]
 
     def shutdown(self) -> None:
         """Shut the connector down twice: it must be idempotent (WRK-015)."""
