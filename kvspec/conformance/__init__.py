@@ -78,6 +78,7 @@ __all__ = [
 DEFAULT_CONNECTORS: tuple[str, ...] = (
     "kvspec.conformance.connectors.null:NullConnector",
     "kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
+    "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
 )
 """The connectors ``kvspec conform`` certifies when given none: the project's own."""
 

@@ -253,6 +253,7 @@ def test_public_api_is_lazy_and_complete() -> None:
     assert conformance.DEFAULT_CONNECTORS == (
         "kvspec.conformance.connectors.null:NullConnector",
         "kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
+        "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
     )
 
 

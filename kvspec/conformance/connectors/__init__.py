@@ -5,6 +5,9 @@
 * :class:`SharedStorageConnector` (``kvspec.conformance.connectors:SharedStorageConnector``)
   saves finished requests' blocks to files in a shared directory and loads them
   asynchronously: async loads, delayed free, failed loads as invalid blocks.
+* :class:`LayerwiseStorageConnector` stores the same files with capturable per-layer hooks:
+  pure device work on persistent buffers, safe to capture in FULL graphs.
+* :data:`BROKEN_GRAPH_CONNECTORS` lists three graph-unsafe variants of it.
 * :data:`BROKEN_CONNECTORS` lists variants of the shared-storage connector that each break
   exactly one clause, with that clause, so the conformance suite can prove it catches them.
 """
@@ -25,6 +28,20 @@ from .broken import (
     ReadAfterFreeConnector,
     UnknownReportConnector,
 )
+from .broken_graphs import (
+    BROKEN_GRAPH_CONNECTORS,
+    AssertsRealMetadataConnector,
+    BrokenGraphConnector,
+    ItemInHookConnector,
+    PythonDecidesConnector,
+)
+from .layerwise import (
+    DEFAULT_MAX_BLOCKS_PER_STEP,
+    LayerwiseMetadata,
+    LayerwiseStorageConnector,
+    LayerwiseStorageScheduler,
+    LayerwiseStorageWorker,
+)
 from .null import NullConnector, NullMetadata, NullScheduler, NullWorker
 from .shared_storage import (
     HANDOFF_PARAM,
@@ -40,15 +57,24 @@ from .shared_storage import (
 )
 
 __all__ = [
-    "AsyncZeroConnector",
     "BROKEN_CONNECTORS",
+    "BROKEN_GRAPH_CONNECTORS",
+    "DEFAULT_MAX_BLOCKS_PER_STEP",
+    "HANDOFF_PARAM",
+    "AssertsRealMetadataConnector",
+    "AsyncZeroConnector",
     "BrokenConnector",
+    "BrokenGraphConnector",
     "CorruptLoadConnector",
     "DoubleReportConnector",
     "DropsAbortedRecvConnector",
     "FullPromptHitConnector",
-    "HANDOFF_PARAM",
     "ImpureMatchConnector",
+    "ItemInHookConnector",
+    "LayerwiseMetadata",
+    "LayerwiseStorageConnector",
+    "LayerwiseStorageScheduler",
+    "LayerwiseStorageWorker",
     "LoadJob",
     "NoSaltConnector",
     "NoSendReportConnector",
@@ -56,6 +82,7 @@ __all__ = [
     "NullMetadata",
     "NullScheduler",
     "NullWorker",
+    "PythonDecidesConnector",
     "ReadAfterFreeConnector",
     "SaveJob",
     "SharedStorageConnector",
