@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvspec.conformance.connectors.null import NullConnector
+from kvspec.conformance.connectors.null import NullConnector, NullWorker
 from kvspec.conformance.connectors.shared_storage import SharedStorageConnector
 from kvspec.conformance.harness import (
     Engine,
@@ -353,3 +353,39 @@ def test_a_naive_engine_losing_hooks_under_full_replay_fails_gra010(
             e.run(SCENARIOS["single"])  # ...but the FULL replay runs no Python
     assert info.value.clause == "GRA-010"
     assert "0 per-layer hook calls in a replay step" in info.value.observed
+
+
+class _FailingShutdownWorker(NullWorker):
+    def shutdown(self) -> None:
+        raise RuntimeError("cannot release the registration")
+
+
+class FailingShutdownConnector(NullConnector):
+    """Module level, so worker processes can import it by name."""
+
+    def create_worker(self, config, rank):  # type: ignore[no-untyped-def]
+        return _FailingShutdownWorker(config, rank)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_connector_shutdown_failure_is_reported(tp_size: int) -> None:
+    """In-process or in worker processes, a failing worker shutdown surfaces (WRK-015)."""
+    e = Engine(FailingShutdownConnector(), HarnessConfig(tp_size=tp_size))
+    e.run(SCENARIOS["single"])
+    with pytest.raises(ContractViolation) as info:
+        e.shutdown()
+    assert info.value.clause == "WRK-015"
+    assert "cannot release the registration" in info.value.observed
+
+
+def test_an_engine_that_failed_to_start_does_not_disable_leak_checks() -> None:
+    """A constructor that raises must not leave the engine registered as live, or every
+    later engine in the process would skip its thread-leak check (WRK-015)."""
+    from kvspec.protocols import CapabilityError, GraphMode
+
+    with pytest.raises(CapabilityError):
+        Engine(_eager_hooks_connector(), HarnessConfig(graph_mode=GraphMode.FULL, strict_graphs=True))
+    assert Engine._live == []
+    e = Engine(NullConnector(), HarnessConfig())
+    e.shutdown()
+    assert Engine._live == []

@@ -30,9 +30,13 @@ from kvspec.protocols import (
 from ._worker import WorkerRuntime, decode_meta, encode_meta
 from .config import HarnessConfig
 
-__all__ = ["InProcessWorkers", "ProcessWorkers", "WorkerGroup"]
+__all__ = ["InProcessWorkers", "ProcessWorkers", "WorkerDiedError", "WorkerGroup"]
 
 StepResult = tuple[list[KVConnectorOutput], list[dict[str, str]]]
+
+
+class WorkerDiedError(KVSpecError):
+    """A worker process exited without answering (killed, or crashed)."""
 
 
 class WorkerGroup(Protocol):
@@ -183,7 +187,7 @@ class ProcessWorkers:
             reply: dict[str, Any] = json.loads(conn.recv_bytes())
         except EOFError:
             code = self.procs[rank].poll()
-            raise KVSpecError(f"worker rank {rank} died (exit code {code})") from None
+            raise WorkerDiedError(f"worker rank {rank} died (exit code {code})") from None
         if "error" in reply:
             raise KVSpecError(f"worker rank {rank} raised:\n{reply['error']}")
         return reply
@@ -208,7 +212,13 @@ class ProcessWorkers:
         return outputs, violations
 
     def shutdown(self) -> None:
-        """Ask every rank to shut down; kill any that does not within the timeout."""
+        """Ask every rank to shut down; kill any that does not within the timeout.
+
+        Raises:
+            ContractViolation: a rank's connector failed to shut down (WRK-015).
+        """
+        errors: list[str] = []
+        alive = [p.poll() is None for p in self.procs]  # a rank already dead is not judged
         try:
             for _, out in self.conns:
                 try:
@@ -216,12 +226,21 @@ class ProcessWorkers:
                 except (BrokenPipeError, OSError):
                     pass
             for rank in range(len(self.conns)):
+                if not alive[rank]:
+                    continue
                 try:
                     self._recv(rank)
-                except KVSpecError:
-                    pass
+                except WorkerDiedError:
+                    pass  # killed from outside, or already crashed and reported at a step
+                except KVSpecError as e:
+                    errors.append(f"rank {rank}: {e.message}")
         finally:
             self._kill()
+        if errors:  # the same failure an in-process worker would raise directly
+            raise ContractViolation(
+                "WRK-015", observed="shutdown failed in worker processes: " + "; ".join(errors),
+                expected="shutdown completes within a bounded time without error",
+            )
 
     def _kill(self) -> None:
         for p in self.procs:

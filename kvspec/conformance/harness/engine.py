@@ -33,6 +33,7 @@ from kvspec.protocols import (
     ExecutorConnector,
     InvalidArgumentError,
     KVCacheEvent,
+    KVSpecError,
     KVConnectorOutput,
     NewRequestView,
     ReportError,
@@ -139,9 +140,32 @@ class Engine:
         self.caps = factory.capabilities
         self._own_tmp = tmpdir is None
         self.tmpdir = tmpdir or tempfile.mkdtemp(prefix="kvspec-harness-")
-        if not Engine._live:  # thread leaks are judged against the state before any engine
-            Engine._baseline = {t.ident for t in threading.enumerate()}
+        self.workload: Workload | None = None
+        self._closed = False
+        # Thread leaks are judged against the state before the first live engine started.
+        baseline = None if Engine._live else {t.ident for t in threading.enumerate()}
+        try:
+            self._build(factory, factory_spec)
+        except BaseException:
+            self._abandon()
+            raise
+        if baseline is not None:
+            Engine._baseline = baseline
         Engine._live.append(self)
+
+    def _abandon(self) -> None:
+        """Release what a constructor that failed half-way had built."""
+        for release in (getattr(getattr(self, "workers", None), "shutdown", None),
+                        getattr(getattr(self, "scheduler", None), "shutdown", None)):
+            if release is not None:
+                try:
+                    release()
+                except Exception:  # the constructor's own error is the one to report
+                    pass
+        if self._own_tmp:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _build(self, factory: ConnectorFactory, factory_spec: str | None) -> None:
         view = self.config.engine_view(self.tmpdir)
         self.scheduler: SchedulerConnector = factory.create_scheduler(view)
         executor = factory.create_executor(view)
@@ -176,8 +200,6 @@ class Engine:
         self._external: dict[str, int] = {}
         self._preemptions = 0
         self._completed: set[tuple[str, Direction]] = set()
-        self.workload: Workload | None = None
-        self._closed = False
         handshakes = self.workers.handshakes()
         if any(h is not None for h in handshakes.values()):
             self.scheduler.set_xfer_handshake_metadata(
@@ -278,11 +300,18 @@ class Engine:
             self.workers.shutdown()
             self.scheduler.shutdown()
             self.scheduler.shutdown()
+        except KVSpecError:
+            raise
+        except Exception as e:  # a connector's shutdown raised: same report at any TP size
+            raise ContractViolation(
+                "WRK-015", observed=f"shutdown raised {type(e).__name__}: {e}",
+                expected="shutdown completes within a bounded time without error",
+            ) from e
         finally:
+            if self in Engine._live:
+                Engine._live.remove(self)
             if self._own_tmp:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
-        if self in Engine._live:
-            Engine._live.remove(self)
         if Engine._live:
             return
         deadline = time.monotonic() + 2.0
