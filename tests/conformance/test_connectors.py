@@ -658,6 +658,8 @@ def truncate(path: str) -> None:
 
 @pytest.mark.parametrize("damage", [os.unlink, corrupt_header, wrong_dtype, truncate])
 def test_failed_load_is_reported(tmp_path: Path, damage: Any) -> None:
+    """A damaged or missing file ends as a failed receive with invalid blocks, never as an
+    exception or a hang (ERR-008, WRK-011)."""
     worker = SharedStorageConnector().create_worker(make_config(tmp_path), 0)
     layout, _, kv = make_kv()
     worker.register_kv_caches(kv, layout)

@@ -218,7 +218,8 @@ def test_dead_worker_process_fails_fast_without_hanging() -> None:
 def test_per_layer_hooks_run_in_spec_order() -> None:
     """With eager per-layer hooks the engine calls, per forward: bind, start_load_kv, then
     per layer wait_for_layer_load before and save_kv_layer after the layer's write, then
-    wait_for_save, clear, output (WRK-003..WRK-008); zero-token steps skip the layers."""
+    wait_for_save, clear, output (WRK-003, WRK-004, WRK-005, WRK-006, WRK-007, WRK-008);
+    zero-token steps skip the layers."""
     from kvspec.conformance.connectors.null import NullWorker
     from kvspec.protocols import Capabilities, HookGraphMode
 
@@ -389,3 +390,18 @@ def test_an_engine_that_failed_to_start_does_not_disable_leak_checks() -> None:
     e = Engine(NullConnector(), HarnessConfig())
     e.shutdown()
     assert Engine._live == []
+
+
+def test_a_blocking_scheduler_hook_fails_sch025() -> None:
+    class Slow(NullConnector):
+        def create_scheduler(self, config):  # type: ignore[no-untyped-def]
+            s = super().create_scheduler(config)
+            build = s.build_connector_meta
+            s.build_connector_meta = lambda out: (time.sleep(0.3), build(out))[1]  # type: ignore[method-assign]
+            return s
+
+    with pytest.raises(ContractViolation) as info:
+        with Engine(Slow(), HarnessConfig(hook_budget_s=0.1)) as e:
+            e.run(SCENARIOS["single"])
+    assert info.value.clause == "SCH-025"
+    assert "build_connector_meta took" in info.value.observed

@@ -239,6 +239,7 @@ def test_double_report() -> None:
 
 
 def test_unknown_report() -> None:
+    """A report for a request nobody awaits is rejected (EXE-003, ERR-004)."""
     agg = StandardAggregator(2)
     agg.expect("a", SEND)
     before = snapshot(agg)
@@ -252,6 +253,8 @@ def test_unknown_report() -> None:
 
 
 def test_failed_receive_reported_at_completion() -> None:
+    """A receive that failed on one rank is reported failed only once every rank finished it
+    (EXE-004)."""
     agg = StandardAggregator(2)
     agg.expect("a", RECV)
     agg.expect("b", RECV)
@@ -263,6 +266,8 @@ def test_failed_receive_reported_at_completion() -> None:
 
 
 def test_invalid_blocks_events_stats_metadata() -> None:
+    """Invalid blocks united, stats and events reduced in rank order, worker metadata
+    aggregated (EXE-005, EXE-006, EXE-007, WRK-016)."""
     agg = StandardAggregator(3)
     outputs = [
         KVConnectorOutput(
@@ -464,6 +469,8 @@ def test_every_request_reported_once_at_its_last_report(plan: Plan) -> None:
 @settings(max_examples=500, deadline=None)
 @given(plans(), st.data())
 def test_rejected_step_names_culprit_and_changes_nothing(plan: Plan, data: st.DataObject) -> None:
+    """A rejected step names the rank and request and leaves the state unchanged (EXE-009,
+    ERR-004)."""
     step = data.draw(st.integers(0, plan.steps - 1), label="step")
     candidates: list[Injection] = []
     for key, by_rank in plan.reports.items():

@@ -74,13 +74,26 @@ def test_clause_ids_cited_in_the_code_exist() -> None:
     assert sorted(unknown) == []
 
 
-def test_every_must_clause_is_cited_by_the_code_or_tests() -> None:
-    """Guards against clauses nobody implements: each MUST is named somewhere in code or tests."""
-    text = "".join(p.read_text(encoding="utf-8") for d in ("kvspec", "tests")
-                   for p in (ROOT / d).rglob("*.py") if p.name != "_clauses.py"
-                   and p.name != "test_registry.py")
-    uncited = [c.id for c in CLAUSES if c.level is Level.MUST and c.id not in text]
-    assert len(uncited) <= len(CLAUSES) // 2, f"uncited MUST clauses: {uncited}"
+PENDING_MUST = {
+    # Clauses no test or harness check covers yet; listed in docs/spec/index.md too.
+    "SCH-006": "matching only deliverable KV: needs a backend that can lose KV (NIXL, offload)",
+    "HSK-004": "handshake timeouts: needs a connector that handshakes (NIXL)",
+}
+
+
+def test_every_must_clause_is_tested_or_listed_as_pending() -> None:
+    """A MUST clause is covered when a test or a suite test names it, or the harness raises
+    it. The rest must be listed as pending, here and in the spec's index page."""
+    text = "".join(p.read_text(encoding="utf-8") for d in ("tests", "kvspec/conformance/suite")
+                   for p in (ROOT / d).rglob("*.py") if p.name != "test_registry.py")
+    harness = "".join(p.read_text(encoding="utf-8")
+                      for p in (ROOT / "kvspec/conformance/harness").rglob("*.py"))
+    uncovered = {c.id for c in CLAUSES if c.level is Level.MUST and c.id not in text
+                 and f'"{c.id}"' not in harness}
+    assert uncovered == set(PENDING_MUST), "cover these clauses or list them as pending"
+    index = (SPEC_DIR / "index.md").read_text(encoding="utf-8")
+    for cid in PENDING_MUST:
+        assert cid in index.split("## Pending")[-1], f"{cid} missing from the pending list"
 
 
 def test_render_has_anchor_level_and_rationale() -> None:

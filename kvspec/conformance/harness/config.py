@@ -62,6 +62,8 @@ class HarnessConfig:
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
+        hook_budget_s: Longest a scheduler hook may take before the harness calls it
+            blocking (SCH-025).
         graph_mode: NONE (eager), PIECEWISE or FULL; resolved against the connector's hook
             declaration (GRA-002) by the workers.
         capture_sizes: Padded token counts captured as graphs; a step is padded to the
@@ -91,6 +93,7 @@ class HarnessConfig:
     max_tokens_per_step: int = 32
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
+    hook_budget_s: float = 2.0
     graph_mode: GraphMode = GraphMode.NONE
     capture_sizes: tuple[int, ...] = attrs.field(default=(8, 32), converter=_sizes)
     lazy_capture: bool = False

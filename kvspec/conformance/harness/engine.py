@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 import attrs
@@ -543,8 +543,10 @@ class Engine:
 
     def _match(self, r: _Req, local: int) -> tuple[int, bool] | None:
         view = self._view(r, local)
-        first: object = self.scheduler.get_num_new_matched_tokens(view, local)
-        again: object = self.scheduler.get_num_new_matched_tokens(view, local)
+        first: object = self._timed("get_num_new_matched_tokens",
+                                    self.scheduler.get_num_new_matched_tokens, view, local)
+        again: object = self._timed("get_num_new_matched_tokens",
+                                    self.scheduler.get_num_new_matched_tokens, view, local)
         if first != again:
             self._violate("SCH-001", f"get_num_new_matched_tokens({r.rid!r}, {local}) answered "
                           f"{first!r} and then {again!r}", "the same answer for the same request, "
@@ -573,12 +575,24 @@ class Engine:
         return count, is_async
 
     def _update_after_alloc(self, r: _Req, ext: int) -> None:
-        self.scheduler.update_state_after_alloc(self._view(r, r.ext[0] if not r.recv_done else None),
-                                                AllocatedBlocks.single(r.blocks), ext)
+        self._timed("update_state_after_alloc", self.scheduler.update_state_after_alloc,
+                    self._view(r, r.ext[0] if not r.recv_done else None),
+                    AllocatedBlocks.single(r.blocks), ext)
+
+    def _timed(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call a scheduler hook; one that takes longer than the budget blocks (SCH-025)."""
+        start = time.monotonic()
+        result = fn(*args)
+        took = time.monotonic() - start
+        if took > self.config.hook_budget_s:
+            self._violate("SCH-025", f"{hook} took {took:.2f} s",
+                          f"scheduler hooks that return within {self.config.hook_budget_s} s, "
+                          "never waiting for a transfer")
+        return result
 
     def _build_meta(self, out: SchedulerOutputView) -> ConnectorMetadata:
         before = repr(out)
-        meta: object = self.scheduler.build_connector_meta(out)
+        meta: object = self._timed("build_connector_meta", self.scheduler.build_connector_meta, out)
         if repr(out) != before:
             self._violate("SCH-012", "build_connector_meta changed the scheduler output",
                           "the scheduler output left untouched")
@@ -593,7 +607,8 @@ class Engine:
             raise AssertionError(f"harness bug: request_finished twice for {r.rid}")
         r.finished_called = True
         self._finished_ids.append(r.rid)
-        answer: object = self.scheduler.request_finished(self._view(r), tuple(r.blocks))
+        answer: object = self._timed("request_finished", self.scheduler.request_finished,
+                                     self._view(r), tuple(r.blocks))
         if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
             self._violate("SCH-016", f"request_finished({r.rid!r}) returned {answer!r}",
                           "a tuple (bool, params or None)")
@@ -644,7 +659,7 @@ class Engine:
             self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
         except ReportError as e:
             self._violate(e.clause or "EXE-008", e.message, "consistent reports")
-        self.scheduler.update_connector_output(agg)
+        self._timed("update_connector_output", self.scheduler.update_connector_output, agg)
         for ev in self.scheduler.take_events():
             if not isinstance(ev, KVCacheEvent.__args__):  # type: ignore[attr-defined]
                 self._violate("EVT-005", f"take_events yielded {ev!r}", "KV-cache event objects")

@@ -39,8 +39,8 @@ class TestEngine(ConformanceSuite):
     @pytest.mark.kvspec_clause(
         "SCH-001", "SCH-004", "SCH-005", "SCH-008", "SCH-009", "SCH-010", "SCH-011", "SCH-012",
         "SCH-013", "SCH-015", "SCH-016", "SCH-017", "SCH-018", "SCH-019", "SCH-020", "SCH-021",
-        "SCH-022", "SCH-023", "WRK-003", "WRK-008", "WRK-009", "WRK-010", "WRK-011", "WRK-013",
-        "EXE-001",
+        "SCH-022", "SCH-023", "SCH-025", "WRK-003", "WRK-008", "WRK-009", "WRK-010", "WRK-011",
+        "WRK-012", "WRK-013", "EXE-001",
     )
     @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-local-cache", "local-cache"])
     @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
