@@ -79,6 +79,7 @@ DEFAULT_CONNECTORS: tuple[str, ...] = (
     "kvspec.conformance.connectors.null:NullConnector",
     "kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
     "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
+    "kvspec.backends.offload:OffloadConnector",
 )
 """The connectors ``kvspec conform`` certifies when given none: the project's own."""
 

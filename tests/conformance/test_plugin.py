@@ -375,8 +375,9 @@ def test_xfail_file_marks_listed_tests_and_warns_about_unknown_lines(kv: pytest.
     """))
     result = run(kv, "-rx", "--kvspec-conformance=conn:Bad", f"--kvspec-xfail={xfail}")
     assert result.ret == 0
-    result.assert_outcomes(passed=4, skipped=2, xfailed=1, warnings=1)
-    out = result.stdout.str()
+    result.assert_outcomes(passed=4, skipped=2, xfailed=1)  # other warnings may come from
+    out = result.stdout.str()  # modules earlier tests imported: count only ours
+    assert out.count("KVSpecXfailWarning: kvspec xfail file line") == 1
     assert "KVSpecXfailWarning: kvspec xfail file line 4 matches no test: " \
         "test_declaration.py::TestDeclaration::test_gone[conn:Bad]" in out
     assert "upstream issue 7" in out

@@ -37,13 +37,17 @@ class TestGraphModes(ConformanceSuite):
 
     @pytest.mark.kvspec_clause("GRA-006", "GRA-004")
     def test_replay_is_equivalent_to_eager(self, tmp_path: Path) -> None:
-        """The same workload eager, PIECEWISE and FULL loads the same tokens; every block
-        is byte-checked in each run (GRA-006)."""
+        """The same workload eager, PIECEWISE and FULL: every block is byte-checked in each
+        run, and a connector with synchronous loads loads the same tokens in all three
+        (GRA-006). With asynchronous loads, how much is loaded depends on when transfers
+        finish, so only the byte checks apply."""
         loaded = {}
         for mode in _MODES:
             result = serve(self.factory, _WORKLOAD, tmp_path / mode.value, graph_mode=mode,
                            prefix_caching=False)
             loaded[mode.value] = dict(result.external_tokens)
+        if self.capabilities.async_loads:
+            return
         self.check(
             loaded["piecewise"] == loaded["none"] and loaded["full"] == loaded["none"], "GRA-006",
             observed=f"tokens loaded per request: {loaded}",

@@ -1,0 +1,387 @@
+"""The worker role of the offloading backend: the host pool and its background transfers.
+
+One background thread per worker (a ``ThreadPoolExecutor`` of one) runs the step's stores
+and loads in submission order, each as one vectorised gather/scatter
+(:class:`~kvspec.backends.offload._pool.HostPool`). Stores read the engine's blocks in the
+background: the engine holds them by a delayed free until ``finished_sending`` (SCH-016), so
+``wait_for_save`` returns at once (WRK-007). Each slot remembers the key of its last
+successful store; a load whose slot holds another key (evicted, overwritten, a failed
+store) or an injected fault fails its blocks: the request is reported in
+``finished_recving`` and ``failed_recving`` with those block ids invalid (WRK-011).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from kvspec.protocols import (
+    ConnectorMetadata,
+    ConnectorStats,
+    EngineConfigView,
+    ForwardContextView,
+    InvalidArgumentError,
+    KVCacheLayout,
+    KVSpecError,
+    MetadataSlot,
+    SupportsAggregate,
+    WorkerConnector,
+)
+
+from ._pool import HostPool
+from ._scheduler import OffloadMetadata, OffloadSettings, TransferJob
+
+__all__ = ["OffloadWorker"]
+
+_log = logging.getLogger(__name__)
+_LOCK_TIMEOUT_S = 5.0
+
+
+class _Job:
+    """One request's load or store on this rank, as the worker tracks it."""
+
+    __slots__ = ("job", "deadline", "cancelled", "lock", "future")
+
+    def __init__(self, job: TransferJob, timeout_s: float) -> None:
+        self.job = job
+        self.deadline = time.monotonic() + timeout_s
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+        self.future: concurrent.futures.Future[tuple[int, ...]] | None = None
+
+
+class OffloadWorker(WorkerConnector):
+    """Worker role of the offloading backend (one per rank). See the module docstring.
+
+    Raises:
+        InvalidArgumentError: a bad rank or configuration (ERR-002).
+    """
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        self._settings = OffloadSettings.from_config(config)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < config.world_size:
+            raise InvalidArgumentError(
+                f"rank must be an int in [0, {config.world_size}), got {rank!r}",
+                clause="ERR-002",
+            )
+        self._rank = rank
+        self._slot: MetadataSlot[OffloadMetadata] = MetadataSlot(OffloadMetadata)
+        self._started = False
+        self._layout: KVCacheLayout | None = None
+        self.pool: HostPool | None = None
+        """The host pool, once ``register_kv_caches`` ran."""
+        self._slot_keys: list[str | None] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closing = threading.Event()
+        self._closed = False
+        self._loads: dict[str, _Job] = {}
+        self._stores: dict[str, _Job] = {}
+        self._failed: frozenset[str] = frozenset()
+        self._invalid: frozenset[int] = frozenset()
+        self._stats_lock = threading.Lock()
+        self._counters: dict[str, int] = {}
+        self._rng = random.Random(self._settings.fault_seed * 1_000_003 + rank)
+
+    # -- registration -----------------------------------------------------------------------
+
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        """Check the tensors against ``layout``, allocate the host pool once and start the
+        background thread (WRK-001). Tensors are only indexed, never re-strided (LAY-009).
+
+        Raises:
+            InvalidArgumentError: called twice, or arguments of the wrong type (WRK-001).
+            LayoutMismatchError: a tensor does not match ``layout`` (LAY-008).
+            OffloadCapacityError: the pool does not fit ``offload_bytes`` (ERR-002).
+        """
+        if self._layout is not None or self._closed:
+            raise InvalidArgumentError(
+                "register_kv_caches called twice (or after shutdown)", clause="WRK-001"
+            )
+        if not isinstance(layout, KVCacheLayout):
+            raise InvalidArgumentError(
+                f"layout must be a KVCacheLayout, got {type(layout).__name__}", clause="LAY-007"
+            )
+        if not isinstance(kv_caches, Mapping):
+            raise InvalidArgumentError(
+                f"kv_caches must map layer names to tensors, got {type(kv_caches).__name__}",
+                clause="WRK-001",
+            )
+        tensors = list(kv_caches.values())
+        layout.check_layer_tensors(tensors)  # one buffer at the stated offsets (LAY-008)
+        s = self._settings
+        self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes)
+        self._slot_keys = [None] * s.offload_slots
+        if tensors[0].is_cuda:
+            self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
+        self._layout = layout
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kvspec-offload-rank{self._rank}"
+        )
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        """Bind the step's metadata (WRK-003).
+
+        Raises:
+            InvalidArgumentError: ``metadata`` is not :class:`OffloadMetadata`.
+        """
+        self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
+        self._started = False
+
+    def clear_connector_metadata(self) -> None:
+        """Start the bound metadata's transfers if ``start_load_kv`` did not (a step without
+        a forward), then forget the metadata (WRK-003)."""
+        if self._slot.is_bound and not self._started:
+            self._start(self._slot.get("clear_connector_metadata"))
+        self._slot.clear()
+
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        """Submit the bound metadata's loads, then its stores, to the background thread
+        (WRK-004). Dummy forwards move nothing (DRY-006).
+
+        Raises:
+            MetadataNotBoundError: no metadata is bound (DRY-001).
+            InvalidBlockIdError: a block outside the budget (LAY-012).
+        """
+        meta = self._slot.get("start_load_kv")
+        if isinstance(forward_context, ForwardContextView) and forward_context.kind.is_dummy:
+            return
+        self._start(meta)
+
+    def _start(self, meta: OffloadMetadata) -> None:
+        self._started = True
+        if not meta.loads and not meta.stores:
+            return
+        layout, executor = self._layout, self._executor
+        if layout is None or executor is None or self._closed:
+            raise InvalidArgumentError(
+                "the metadata names transfers but no KV caches are registered (or the worker "
+                "is shut down)", clause="WRK-001",
+            )
+        for job in (*meta.loads, *meta.stores):
+            layout.block_region_offsets(job.block_ids)  # range check (LAY-012)
+            if job.request_id in (self._loads if job.is_load else self._stores):
+                raise InvalidArgumentError(
+                    f"request {job.request_id!r} already has a transfer of this direction in "
+                    "flight", clause="SCH-013",
+                )
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()  # the forward's KV writes so far
+        timeout = self._settings.io_timeout_s
+        for job in (*meta.loads, *meta.stores):
+            j = _Job(job, timeout)
+            j.future = executor.submit(self._run, j, event)
+            (self._loads if job.is_load else self._stores)[job.request_id] = j
+
+    # -- transfers (background thread) ------------------------------------------------------
+
+    def _count(self, **counts: int) -> None:
+        with self._stats_lock:
+            for name, n in counts.items():
+                self._counters[name] = self._counters.get(name, 0) + n
+
+    def _run(self, j: _Job, event: torch.cuda.Event | None) -> tuple[int, ...]:
+        """Run one job; return the block ids that failed."""
+        pool = self.pool
+        job = j.job
+        if pool is None or self._closing.is_set() or j.cancelled.is_set():
+            return job.block_ids
+        if job.is_load and self._settings.load_delay_s:
+            self._closing.wait(self._settings.load_delay_s)  # returns early at shutdown
+        if not j.lock.acquire(timeout=_LOCK_TIMEOUT_S):  # every wait is bounded (WRK-014)
+            return job.block_ids
+        try:
+            if self._closing.is_set() or j.cancelled.is_set():
+                return job.block_ids
+            if job.is_load:
+                return self._load(pool, job, event)
+            return self._store(pool, job, event)
+        except (KVSpecError, RuntimeError, ValueError) as e:
+            _log.warning("rank %d: %s of request %s failed: %s", self._rank,
+                         "load" if job.is_load else "store", job.request_id, e)
+            if not job.is_load:
+                for _, slot, _ in job.blocks:
+                    self._slot_keys[slot] = None
+                self._count(store_failures=len(job.blocks))
+            else:
+                self._count(load_failures=len(job.blocks))
+            return job.block_ids
+        finally:
+            j.lock.release()
+
+    def _on_stream(self, event: torch.cuda.Event | None) -> torch.cuda.Stream | None:
+        stream = self._stream
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+        return stream
+
+    def _store(self, pool: HostPool, job: TransferJob, event: torch.cuda.Event | None) -> tuple[int, ...]:
+        slots = [s for _, s, _ in job.blocks]
+        for s in slots:
+            self._slot_keys[s] = None  # invalid until the copy completes
+        stream = self._on_stream(event)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                pool.store(job.block_ids, slots)
+            stream.synchronize()
+        else:
+            pool.store(job.block_ids, slots)
+        for _, s, key in job.blocks:
+            self._slot_keys[s] = key
+        n = len(slots)
+        self._count(blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
+        return ()
+
+    def _load(self, pool: HostPool, job: TransferJob, event: torch.cuda.Event | None) -> tuple[int, ...]:
+        rate = self._settings.load_fault_rate
+        good: list[tuple[int, int]] = []
+        failed: list[int] = []
+        for block, slot, key in job.blocks:
+            if slot < 0 or slot >= len(self._slot_keys) or self._slot_keys[slot] != key or (
+                rate and self._rng.random() < rate
+            ):
+                failed.append(block)
+            else:
+                good.append((block, slot))
+        if good:
+            ids, slots = [b for b, _ in good], [s for _, s in good]
+            stream = self._on_stream(event)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    pool.load(slots, ids)
+                stream.synchronize()  # complete before reported
+            else:
+                pool.load(slots, ids)
+        self._count(blocks_loaded=len(good), bytes_loaded=len(good) * pool.bytes_per_block,
+                    load_failures=len(failed))
+        return tuple(failed)
+
+    def _cancel(self, j: _Job) -> None:
+        if j.future is not None:
+            j.future.cancel()
+        locked = j.lock.acquire(timeout=_LOCK_TIMEOUT_S)
+        j.cancelled.set()
+        if locked:
+            j.lock.release()
+
+    def _outcome(self, j: _Job, now: float) -> tuple[int, ...] | None:
+        """None while ``j`` runs; else the block ids that failed (all on a timeout)."""
+        future = j.future
+        if future is not None and future.done():
+            if future.cancelled() or future.exception() is not None:
+                return j.job.block_ids
+            return future.result()
+        if now >= j.deadline:
+            _log.warning("rank %d: transfer of request %s timed out", self._rank,
+                         j.job.request_id)
+            self._cancel(j)
+            return j.job.block_ids
+        return None
+
+    # -- completion -------------------------------------------------------------------------
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        """Return the stores (sending) and loads (recving) completed since the last call,
+        each once (WRK-009, WRK-010); failed or timed-out loads count as completed (WRK-011,
+        WRK-014). A failed store is still reported sending (its slot stays invalid)."""
+        now = time.monotonic()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        for rid, j in list(self._loads.items()):
+            bad = self._outcome(j, now)
+            if bad is None:
+                continue
+            del self._loads[rid]
+            recving.add(rid)
+            if bad:
+                failed.add(rid)
+                invalid.update(bad)
+        for rid, j in list(self._stores.items()):
+            bad = self._outcome(j, now)
+            if bad is None:
+                continue
+            del self._stores[rid]
+            sending.add(rid)
+        self._failed = frozenset(failed)
+        self._invalid = frozenset(invalid)
+        return frozenset(sending), frozenset(recving)
+
+    def get_failed_recving(self) -> frozenset[str]:
+        """The loads of the last ``get_finished`` that failed (WRK-011)."""
+        failed, self._failed = self._failed, frozenset()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """The blocks of the last ``get_finished``'s failed loads (WRK-011, EVT-003)."""
+        invalid, self._invalid = self._invalid, frozenset()
+        return invalid
+
+    def get_kv_connector_stats(self) -> SupportsAggregate | None:
+        """``blocks_stored``, ``bytes_stored``, ``blocks_loaded``, ``bytes_loaded``,
+        ``load_failures`` and ``store_failures`` since the last call, or None (EVT-006)."""
+        with self._stats_lock:
+            counters, self._counters = self._counters, {}
+        return ConnectorStats(counters) if any(counters.values()) else None
+
+    def wait_for_save(self) -> None:
+        """Return at once: stored blocks are held by a delayed free until reported, so no
+        block the next step may overwrite is read (WRK-007)."""
+        return None
+
+    def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
+        """Wait, bounded by each transfer's deadline, for the transfers of preempted requests;
+        cancel those still running (WRK-012, WRK-014). They are reported as usual."""
+        for rid in preempted_req_ids:
+            for j in (self._loads.get(rid), self._stores.get(rid)):
+                if j is None or j.future is None:
+                    continue
+                try:
+                    j.future.result(timeout=max(0.0, j.deadline - time.monotonic()))
+                except concurrent.futures.TimeoutError:
+                    self._cancel(j)
+                except Exception:  # reported as failed by get_finished
+                    pass
+
+    def shutdown(self) -> None:
+        """Cancel queued work, wait a bounded time for the running job and the thread, and
+        release the host pool and every reference to the KV caches; idempotent (WRK-015)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+            # A future cancelled before it started never counts as done for wait().
+            futures = [
+                j.future for j in (*self._loads.values(), *self._stores.values())
+                if j.future is not None and not j.future.cancelled()
+            ]
+            concurrent.futures.wait(futures, timeout=min(self._settings.io_timeout_s, 10.0))
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            for thread in list(getattr(executor, "_threads", ())):
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._loads.clear()
+        self._stores.clear()
+        if self.pool is not None:
+            self.pool.release()
+        self.pool = None
+        self._slot_keys = []
+        self._stream = None
+        self._slot.clear()
