@@ -4,7 +4,8 @@
 the clause blocks of the spec pages from the registry, ``--check-docs DIR`` fails if they are
 stale. ``kvspec conform [SPEC ...]`` runs the conformance suite against connector factories
 (by default the project's own) and exits with pytest's exit code; arguments after ``--`` go
-to pytest. A later issue adds ``kvspec bench``.
+to pytest. ``kvspec bench offload`` measures the offload backend's store and load copies
+against a same-run memory-copy ceiling (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -102,6 +103,130 @@ def _conform(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+_ORDER_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+_DTYPE_NAMES = ("float16", "bfloat16", "float32")
+
+
+def _csv(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _orders(text: str) -> tuple[str, ...]:
+    out = tuple(t.upper() for t in _csv(text))
+    bad = [t for t in out if t not in _ORDER_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown order {bad[0]!r}; expected {', '.join(_ORDER_NAMES)}")
+    return out
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(t) for t in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, got {text!r}") from None
+    if any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return out
+
+
+def _heads(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in _csv(text):
+        parts = item.lower().split("x")
+        try:
+            heads, size = (int(v) for v in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected HEADSxSIZE such as 8x128, got {item!r}") from None
+        if heads <= 0 or size <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive HEADSxSIZE, got {item!r}")
+        out.append((heads, size))
+    return tuple(out)
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    out = tuple(t.lower() for t in _csv(text))
+    bad = [t for t in out if t not in _DTYPE_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown dtype {bad[0]!r}; expected {', '.join(_DTYPE_NAMES)}")
+    return out
+
+
+def _positive_int(text: str) -> int:
+    values = _positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive int, got {text!r}")
+    return values[0]
+
+
+def _bench_offload(args: argparse.Namespace) -> int:
+    from .bench.offload import (
+        OffloadGrid,
+        OffloadPoint,
+        check_targets,
+        format_table,
+        machine_info,
+        measure_step_overhead,
+        run_offload_bench,
+    )
+
+    base = OffloadGrid.quick() if args.quick else OffloadGrid()
+    grid = OffloadGrid(
+        orders=args.orders or base.orders,
+        block_sizes=args.block_size or base.block_sizes,
+        layers=args.layers or base.layers,
+        heads=args.heads or base.heads,
+        dtypes=args.dtype or base.dtypes,
+        blocks=args.blocks or base.blocks,
+        repeats=args.repeats or base.repeats,
+        warmup=base.warmup if args.warmup is None else args.warmup,
+        seed=args.seed,
+    )
+
+    def progress(i: int, n: int, p: OffloadPoint) -> None:
+        print(f"[{i + 1}/{n}] {p.order} {p.block_size} tok/blk, {p.layers} layers, "
+              f"{p.heads}x{p.head_size} {p.dtype}, {p.blocks} blocks", file=sys.stderr, flush=True)
+
+    results = run_offload_bench(grid, progress)
+    print(f"per-step work outside copies ({args.overhead_blocks} blocks)", file=sys.stderr, flush=True)
+    overhead = measure_step_overhead(args.overhead_blocks, repeats=grid.repeats, warmup=grid.warmup)
+    checks = check_targets(results, overhead)
+    if args.json:
+        json.dump(
+            {
+                "kvspec_version": __version__,
+                "machine": machine_info(),
+                "grid": {"repeats": grid.repeats, "warmup": grid.warmup, "seed": grid.seed},
+                "results": [r.as_dict() for r in results],
+                "step_overhead_us": overhead.as_dict(),
+                "targets": [
+                    {"name": c.name, "measured": c.measured, "threshold": c.threshold,
+                     "passed": c.passed}
+                    for c in checks
+                ],
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+        return 0
+    info = machine_info()
+    print(f"kvspec {__version__} bench offload: torch {info['torch']}, {info['cpu_count']} CPUs "
+          f"({info['torch_threads']} torch threads), {info['date']}; medians of {grid.repeats} "
+          f"runs after {grid.warmup} warm-ups; ratio = contiguous-copy time / copy time")
+    print()
+    print(format_table(results))
+    print()
+    print(f"per-step work outside copies, {overhead.blocks} blocks: {overhead.total_us:.1f} us "
+          f"(schedule {overhead.schedule_us:.1f}, encode {overhead.encode_us:.1f}, "
+          f"decode {overhead.decode_us:.1f}, worker plan {overhead.plan_us:.1f})")
+    for c in checks:
+        print(c.line())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvspec", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--version", action="version", version=f"kvspec {__version__} (spec {SPEC_VERSION})")
@@ -132,6 +257,37 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--write-xfail", metavar="PATH",
                    help="write the keys of the failing tests to PATH")
     c.set_defaults(func=_conform, pytest_args=[])
+    b = sub.add_parser("bench", help="run a benchmark")
+    bsub = b.add_subparsers(dest="benchmark", required=True)
+    o = bsub.add_parser(
+        "offload", help="store/load throughput of the offload backend vs a memory-copy ceiling",
+        description="Time the offload backend's store (KV caches -> host pool) and load "
+                    "(host pool -> KV caches) copies over a grid, as ratios to a same-run "
+                    "contiguous copy of the same bytes, and the per-step work outside the "
+                    "copies. Lists are comma-separated; each axis defaults to the full grid, "
+                    "or to the --quick grid.",
+    )
+    o.add_argument("--quick", action="store_true",
+                   help="small preset grid (4 layers, 1x64 and 2x64, 32 blocks, 3 runs)")
+    o.add_argument("--orders", type=_orders, metavar="LIST",
+                   help="stride orders, e.g. BLNHC,LBNHC (default), BLHNC,BHLNC,LBHNC,LHBNC")
+    o.add_argument("--block-size", type=_positive_ints, metavar="LIST",
+                   help="tokens per block (default 16)")
+    o.add_argument("--layers", type=_positive_ints, metavar="LIST", help="layers (default 32)")
+    o.add_argument("--heads", type=_heads, metavar="LIST",
+                   help="HEADSxSIZE pairs (default 1x64,8x128)")
+    o.add_argument("--dtype", type=_dtypes, metavar="LIST",
+                   help=f"dtypes among {', '.join(_DTYPE_NAMES)} (default bfloat16)")
+    o.add_argument("--blocks", type=_positive_ints, metavar="LIST",
+                   help="blocks moved; the KV caches hold twice as many (default 256)")
+    o.add_argument("--repeats", type=_positive_int, metavar="N", help="timed runs (default 7)")
+    o.add_argument("--warmup", type=int, choices=range(0, 100), metavar="N",
+                   help="untimed runs first (default 2)")
+    o.add_argument("--seed", type=int, default=0, help="seed of the block choice and bytes")
+    o.add_argument("--overhead-blocks", type=_positive_int, default=256, metavar="N",
+                   help="blocks of the per-step overhead measurement (default 256)")
+    o.add_argument("--json", action="store_true", help="print the results as JSON")
+    o.set_defaults(func=_bench_offload)
     return p
 
 

@@ -1,0 +1,11 @@
+"""Benchmarks of the project's backends, run with ``kvspec bench``.
+
+``kvspec bench offload`` (:mod:`kvspec.bench.offload`) measures the offload backend's
+store and load copies against a same-run memory-copy ceiling. The package imports
+:mod:`kvspec.protocols` and :mod:`kvspec.backends` only, never the conformance suite; import
+the submodules directly (this package imports nothing heavy).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,401 @@
+"""``kvspec bench offload``: throughput of the offload backend's data path.
+
+For each point of a grid (layout order, tokens per block, layers, heads x head size, dtype,
+blocks moved) the benchmark allocates KV caches of ``2 * blocks`` blocks in the layout
+:meth:`KVCacheLayout.contiguous` gives, fills them with random bytes, builds the backend's
+own :class:`~kvspec.backends.offload.HostPool` of ``blocks`` slots over them and times
+:meth:`HostPool.store` (KV caches to host pool) and :meth:`HostPool.load` (back) of half of
+the blocks, chosen by a fixed random permutation. Each time is compared with the same run's
+ceiling: copying the same bytes between two contiguous, pre-written tensors
+(:func:`~kvspec.bench._timing.ceiling_seconds`). A ratio of 1.0 means the backend moves
+blocks as fast as a plain ``memcpy`` of the same size.
+
+Separately, :func:`measure_step_overhead` times the per-step work outside the copies for a
+number of blocks: the scheduler role planning a store and building the metadata, encoding
+and decoding it, and the worker's planning of the job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvspec.backends.offload import HostPool, OffloadMetadata, OffloadScheduler
+from kvspec.protocols import (
+    EngineConfigView,
+    KVCacheLayout,
+    KVPacking,
+    RequestView,
+    SchedulerOutputView,
+    StrideOrder,
+    TransferRole,
+)
+
+from ._timing import ceiling_seconds, median_seconds, written_bytes
+
+__all__ = [
+    "DTYPES",
+    "OffloadGrid",
+    "OffloadPoint",
+    "OffloadResult",
+    "StepOverhead",
+    "TargetCheck",
+    "check_targets",
+    "format_table",
+    "machine_info",
+    "measure_point",
+    "measure_step_overhead",
+    "run_offload_bench",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+"""The dtype names the benchmark accepts."""
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class OffloadPoint:
+    """One grid point: the KV caches have ``2 * blocks`` blocks, ``blocks`` of them move.
+
+    Attributes:
+        order: Stride order name, e.g. ``"BLNHC"``.
+        block_size: Tokens per block.
+        layers: Attention layers.
+        heads: KV heads.
+        head_size: Channels per head of K (and of V).
+        dtype: A key of :data:`DTYPES`.
+        blocks: Blocks stored and loaded per measurement.
+    """
+
+    order: str
+    block_size: int
+    layers: int
+    heads: int
+    head_size: int
+    dtype: str
+    blocks: int
+
+    @property
+    def family(self) -> str:
+        """``"block-outermost"`` (orders starting with B, LAY-013) or ``"layer-outermost"``."""
+        return "block-outermost" if StrideOrder.parse(self.order).block_outermost else (
+            "layer-outermost"
+        )
+
+    def layout(self) -> KVCacheLayout:
+        """The dense CONCAT layout of this point, with ``2 * blocks`` blocks."""
+        return KVCacheLayout.contiguous(
+            self.order, KVPacking.CONCAT, DTYPES[self.dtype], self.layers, 2 * self.blocks,
+            self.block_size, self.heads, self.head_size,
+        )
+
+
+@dataclass(frozen=True)
+class OffloadGrid:
+    """The axes of the grid (their product is measured) and the repetition counts.
+
+    Attributes:
+        orders: Stride order names.
+        block_sizes: Tokens per block.
+        layers: Layer counts.
+        heads: ``(heads, head_size)`` pairs.
+        dtypes: Keys of :data:`DTYPES`.
+        blocks: Blocks moved.
+        repeats: Timed repetitions per median.
+        warmup: Untimed runs before them.
+        seed: Seed of the block permutation and the random bytes.
+    """
+
+    orders: tuple[str, ...] = ("BLNHC", "LBNHC")
+    block_sizes: tuple[int, ...] = (16,)
+    layers: tuple[int, ...] = (32,)
+    heads: tuple[tuple[int, int], ...] = ((1, 64), (8, 128))
+    dtypes: tuple[str, ...] = ("bfloat16",)
+    blocks: tuple[int, ...] = (256,)
+    repeats: int = 7
+    warmup: int = 2
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> OffloadGrid:
+        """A small grid that runs in seconds (for tests and smoke runs)."""
+        return cls(layers=(4,), heads=((1, 64), (2, 64)), blocks=(32,), repeats=3, warmup=1)
+
+    def points(self) -> list[OffloadPoint]:
+        """The grid points, orders outermost."""
+        return [
+            OffloadPoint(o, bs, nl, h, d, dt, nb)
+            for o in self.orders for bs in self.block_sizes for nl in self.layers
+            for h, d in self.heads for dt in self.dtypes for nb in self.blocks
+        ]
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """The measurement of one grid point. Times are medians in seconds; ratios are the
+    ceiling's time over the copy's time (1.0 = as fast as a contiguous copy).
+
+    Attributes:
+        point: The grid point.
+        path: The pool's copy path, ``"block"``, ``"rows"`` or ``"bytes"``.
+        bytes_moved: Bytes moved per store (and per load).
+        store_s: Median time of one store.
+        load_s: Median time of one load.
+        ceiling_s: Median time of a contiguous copy of ``bytes_moved`` bytes.
+    """
+
+    point: OffloadPoint
+    path: str
+    bytes_moved: int
+    store_s: float
+    load_s: float
+    ceiling_s: float
+
+    @property
+    def store_ratio(self) -> float:
+        """Store throughput over the ceiling's."""
+        return self.ceiling_s / self.store_s
+
+    @property
+    def load_ratio(self) -> float:
+        """Load throughput over the ceiling's."""
+        return self.ceiling_s / self.load_s
+
+    def gbps(self, seconds: float) -> float:
+        """``bytes_moved`` per ``seconds``, in GB/s (10**9 bytes)."""
+        return self.bytes_moved / seconds / 1e9
+
+    def as_dict(self) -> dict[str, Any]:
+        """A flat JSON-ready dict of the point, the times, ratios and GB/s."""
+        out: dict[str, Any] = asdict(self.point)
+        out.update(
+            family=self.point.family, path=self.path, bytes_moved=self.bytes_moved,
+            mib_moved=self.bytes_moved / _MIB, store_s=self.store_s, load_s=self.load_s,
+            ceiling_s=self.ceiling_s, store_ratio=self.store_ratio,
+            load_ratio=self.load_ratio, store_gbps=self.gbps(self.store_s),
+            load_gbps=self.gbps(self.load_s), ceiling_gbps=self.gbps(self.ceiling_s),
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """Median per-step work outside the copies, in microseconds.
+
+    Attributes:
+        blocks: Blocks in the step's one store job.
+        schedule_us: Scheduler role: ``request_finished`` planning the store (slots,
+            events) and ``build_connector_meta``.
+        encode_us: :meth:`OffloadMetadata.encode`.
+        decode_us: :meth:`OffloadMetadata.decode` on the worker.
+        plan_us: The worker's planning of the job: block range check, slot list, slot keys.
+        total_us: Median of the per-repetition sums of the four.
+    """
+
+    blocks: int
+    schedule_us: float
+    encode_us: float
+    decode_us: float
+    plan_us: float
+    total_us: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the fields."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    """One performance target and its measured value.
+
+    Attributes:
+        name: What is measured, e.g. ``"block-outermost store ratio"``.
+        measured: The worst measured value (minimum ratio, or the overhead).
+        threshold: The target.
+        higher_is_better: True for ratios (``measured >= threshold``), False for times.
+    """
+
+    name: str
+    measured: float | None
+    threshold: float
+    higher_is_better: bool
+
+    @property
+    def passed(self) -> bool:
+        """Whether the measured value meets the target (False when nothing was measured)."""
+        if self.measured is None:
+            return False
+        if self.higher_is_better:
+            return self.measured >= self.threshold
+        return self.measured < self.threshold
+
+    def line(self) -> str:
+        """One line of text: the target, the value and PASS/MISS (or n/a)."""
+        op = ">=" if self.higher_is_better else "<"
+        if self.measured is None:
+            return f"target {self.name} {op} {self.threshold:g}: not measured in this grid  n/a"
+        return (f"target {self.name} {op} {self.threshold:g}: measured {self.measured:.3g}  "
+                f"{'PASS' if self.passed else 'MISS'}")
+
+
+def measure_point(point: OffloadPoint, *, repeats: int, warmup: int, seed: int) -> OffloadResult:
+    """Measure one grid point with the backend's :class:`HostPool` (see the module doc)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = point.layout()
+    storage = written_bytes(layout.span_bytes, gen).view(layout.dtype)
+    kv = layout.view(storage)
+    layer0 = kv[layout.layer_slots[0]]
+    pool = HostPool(layer0, layout, point.blocks, 1 << 62)
+    pool.host.copy_(written_bytes(pool.host.numel(), gen).view_as(pool.host))
+    ids = random.Random(seed).sample(range(layout.num_blocks), point.blocks)
+    slots = list(range(point.blocks))
+    store_s = median_seconds(lambda: pool.store(ids, slots), repeats=repeats, warmup=warmup)
+    load_s = median_seconds(lambda: pool.load(slots, ids), repeats=repeats, warmup=warmup)
+    nbytes = point.blocks * pool.bytes_per_block
+    path = pool.path
+    pool.release()
+    del kv, layer0, storage
+    ceiling_s = ceiling_seconds(nbytes, gen, repeats=repeats, warmup=warmup)
+    return OffloadResult(point, path, nbytes, store_s, load_s, ceiling_s)
+
+
+def run_offload_bench(
+    grid: OffloadGrid, progress: Callable[[int, int, OffloadPoint], None] | None = None
+) -> list[OffloadResult]:
+    """Measure every point of ``grid``; call ``progress(i, n, point)`` before each."""
+    points = grid.points()
+    results = []
+    for i, point in enumerate(points):
+        if progress is not None:
+            progress(i, len(points), point)
+        results.append(
+            measure_point(point, repeats=grid.repeats, warmup=grid.warmup, seed=grid.seed)
+        )
+    return results
+
+
+def _config(blocks: int, block_size: int) -> EngineConfigView:
+    return EngineConfigView(
+        engine_id="bench", role=TransferRole.BOTH, num_layers=1, block_size=block_size,
+        num_blocks=blocks, extra={"offload_slots": blocks, "offload_bytes": 1 << 62},
+    )
+
+
+def measure_step_overhead(
+    blocks: int = 256, *, block_size: int = 16, repeats: int = 7, warmup: int = 2
+) -> StepOverhead:
+    """Median per-step work outside the copies for one store job of ``blocks`` blocks.
+
+    Each repetition uses a fresh scheduler (built untimed) whose request finishes with
+    ``blocks`` full computed blocks, so ``request_finished`` plans a store of all of them;
+    then ``build_connector_meta``, ``encode``, ``decode``, and the worker's planning as
+    :class:`~kvspec.backends.offload.OffloadWorker` does it before the copy.
+    """
+    tokens = tuple(range(blocks * block_size + 1))
+    hashes = tuple(hashlib.sha256(f"bench|{i}".encode()).digest() for i in range(blocks))
+    request = RequestView("bench-req", tokens, block_hashes=hashes,
+                          num_computed_tokens=blocks * block_size)
+    block_ids = tuple(random.Random(0).sample(range(2 * blocks), blocks))
+    config = _config(2 * blocks, block_size)
+    layout = KVCacheLayout.contiguous(
+        StrideOrder.BLNHC, KVPacking.CONCAT, torch.bfloat16, 1, 2 * blocks, block_size, 1, 8,
+    )
+    slot_keys: list[str | None] = [None] * (2 * blocks)
+    times: dict[str, list[float]] = {"schedule": [], "encode": [], "decode": [], "plan": []}
+    clock = time.perf_counter
+    for rep in range(warmup + repeats):
+        sched = OffloadScheduler(config)
+        sched.on_new_request(request)
+        t0 = clock()
+        sched.request_finished(request, block_ids)
+        meta = sched.build_connector_meta(SchedulerOutputView(step_id=rep))
+        t1 = clock()
+        assert isinstance(meta, OffloadMetadata)
+        data = meta.encode()
+        t2 = clock()
+        decoded = OffloadMetadata.decode(data)
+        t3 = clock()
+        for job in decoded.stores:  # as OffloadWorker._start and _store do
+            layout.block_region_offsets(job.block_ids)
+            slots = [s for _, s, _ in job.blocks]
+            for s in slots:
+                slot_keys[s] = None
+            for _, s, key in job.blocks:
+                slot_keys[s] = key
+        t4 = clock()
+        if rep >= warmup:
+            for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[name].append(dt * 1e6)
+        sched.shutdown()
+    med = {name: statistics.median(v) for name, v in times.items()}
+    totals = []
+    for i in range(repeats):
+        totals.append(sum(times[name][i] for name in times))
+    return StepOverhead(blocks, med["schedule"], med["encode"], med["decode"], med["plan"],
+                        statistics.median(totals))
+
+
+def check_targets(results: Sequence[OffloadResult], overhead: StepOverhead) -> list[TargetCheck]:
+    """The issue's targets: block-outermost store and load >= 0.9 of the ceiling,
+    layer-outermost >= 0.7 (worst point of the family), per-step work < 100 us."""
+    checks = []
+    for family, threshold in (("block-outermost", 0.9), ("layer-outermost", 0.7)):
+        rows = [r for r in results if r.point.family == family]
+        for direction in ("store", "load"):
+            values = [r.store_ratio if direction == "store" else r.load_ratio for r in rows]
+            checks.append(TargetCheck(f"{family} {direction} ratio (min)",
+                                      min(values) if values else None, threshold, True))
+    checks.append(TargetCheck(f"per-step work outside copies, {overhead.blocks} blocks (us)",
+                              overhead.total_us, 100.0, False))
+    return checks
+
+
+_COLUMNS = ("layout", "family", "tok/blk", "layers", "heads x size", "dtype", "blocks",
+            "MiB moved", "store ratio", "load ratio", "store GB/s", "load GB/s",
+            "ceiling GB/s", "path")
+
+
+def format_table(results: Sequence[OffloadResult]) -> str:
+    """The results as a Markdown table (one row per grid point)."""
+    rows = [
+        (r.point.order, r.point.family, str(r.point.block_size), str(r.point.layers),
+         f"{r.point.heads}x{r.point.head_size}", r.point.dtype, str(r.point.blocks),
+         f"{r.bytes_moved / _MIB:.1f}", f"{r.store_ratio:.2f}", f"{r.load_ratio:.2f}",
+         f"{r.gbps(r.store_s):.2f}", f"{r.gbps(r.load_s):.2f}", f"{r.gbps(r.ceiling_s):.2f}",
+         r.path)
+        for r in results
+    ]
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(_COLUMNS)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
+              for row in rows]
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    """Torch version, CPU count, torch threads, platform and the date (UTC, ISO)."""
+    return {
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,105 @@
+"""Tests of ``kvspec bench offload`` (kvspec.bench). Speed targets are not asserted here:
+they belong to the benchmark's own output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvspec.bench._timing import ceiling_seconds, median_seconds, written_bytes
+from kvspec.bench.offload import OffloadGrid, OffloadPoint, measure_point, measure_step_overhead
+from kvspec.cli import main
+
+_TINY = ["bench", "offload", "--quick", "--blocks", "8", "--layers", "2", "--repeats", "2",
+         "--warmup", "1", "--overhead-blocks", "16"]
+
+
+def test_quick_json_runs_and_reports_positive_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "offload", "--quick", "--json"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert set(data) >= {"results", "step_overhead_us", "machine", "targets"}
+    assert {"torch", "cpu_count", "date"} <= set(data["machine"])
+    assert len(data["results"]) == len(OffloadGrid.quick().points())
+    for row in data["results"]:
+        for key in ("order", "family", "block_size", "layers", "heads", "head_size", "dtype",
+                    "blocks", "mib_moved", "path", "store_gbps", "load_gbps", "ceiling_gbps"):
+            assert key in row
+        assert row["store_ratio"] > 0 and row["load_ratio"] > 0
+        assert row["path"] in ("block", "rows", "bytes")
+        assert row["bytes_moved"] == row["blocks"] * row["layers"] * row["block_size"] * (
+            row["heads"] * 2 * row["head_size"] * 2)  # bfloat16, K and V
+    assert {r["family"] for r in data["results"]} == {"block-outermost", "layer-outermost"}
+    assert data["step_overhead_us"]["blocks"] == 256
+    assert data["step_overhead_us"]["total_us"] > 0
+    assert all(isinstance(t["passed"], bool) for t in data["targets"])
+    assert err.count("\n") >= len(data["results"])  # one progress line per grid point
+
+
+def test_table_output_has_columns_and_target_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_TINY, "--orders", "bhlnc,LHBNC", "--heads", "1x8", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    for column in ("layout", "family", "tok/blk", "heads x size", "MiB moved", "store ratio",
+                   "load ratio", "store GB/s", "load GB/s", "ceiling GB/s", "path"):
+        assert column in out
+    assert "BHLNC" in out and "LHBNC" in out
+    targets = [line for line in out.splitlines() if line.startswith("target ")]
+    assert len(targets) == 5
+    assert all(line.endswith(("PASS", "MISS")) for line in targets)
+
+
+def test_written_bytes_fills_every_page_with_random_bytes() -> None:
+    gen = torch.Generator().manual_seed(1)
+    nbytes = (3 << 20) + 12345  # whole chunks and a tail
+    buf = written_bytes(nbytes, gen)
+    assert buf.dtype == torch.uint8 and buf.numel() == nbytes
+    pages = buf[: nbytes // 4096 * 4096].view(-1, 4096)
+    assert bool((pages != 0).any(dim=1).all())  # no page left as zeros
+    assert bool((buf[-(nbytes % 4096):] != 0).any())
+    assert len(torch.unique(buf[:4096])) > 200  # random, not a constant fill
+    assert written_bytes(0, gen).numel() == 0
+
+
+def test_ceiling_and_median_are_positive_times() -> None:
+    gen = torch.Generator().manual_seed(0)
+    assert ceiling_seconds(1 << 16, gen, repeats=2, warmup=1) > 0
+    calls: list[int] = []
+    assert median_seconds(lambda: calls.append(1), repeats=3, warmup=2) >= 0
+    assert len(calls) == 5
+
+
+def test_measure_point_moves_half_the_blocks_through_the_pool() -> None:
+    point = OffloadPoint("LBNHC", 4, 2, 1, 8, "float16", 6)
+    result = measure_point(point, repeats=1, warmup=0, seed=3)
+    assert point.layout().num_blocks == 12
+    assert result.path == "rows" and result.point.family == "layer-outermost"
+    assert result.bytes_moved == 6 * 2 * 4 * 16 * 2
+    assert result.store_ratio > 0 and result.load_ratio > 0
+
+
+def test_step_overhead_parts_sum_roughly_to_total() -> None:
+    o = measure_step_overhead(32, repeats=2, warmup=0)
+    assert o.blocks == 32
+    assert min(o.schedule_us, o.encode_us, o.decode_us, o.plan_us) > 0
+    assert o.total_us > 0
+
+
+@pytest.mark.parametrize("bad", [
+    ["--heads", "8by128"], ["--heads", "0x64"], ["--orders", "XYZ"], ["--dtype", "int8"],
+    ["--blocks", "0"], ["--layers", "a,b"], ["--repeats", "2,3"], ["--warmup", "-1"],
+])
+def test_bad_option_values_are_clean_usage_errors(
+    bad: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "offload", *bad])
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_bench_needs_a_benchmark_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench"])
+    assert exc.value.code == 2
