@@ -72,6 +72,7 @@ from .events import (
 )
 from .metadata import (
     ConnectorMetadata,
+    decode_json_envelope,
     HandshakeMetadata,
     MetadataSlot,
 )
@@ -168,6 +169,7 @@ __all__ = [
     "WorkerConnector",
     "WorkerMetadata",
     "check_transition",
+    "decode_json_envelope",
     "freeze_params",
     "negotiate_layout",
     "plan_forward",

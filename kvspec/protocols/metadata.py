@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Mapping
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import attrs
 from typing_extensions import Self
@@ -24,6 +24,7 @@ from .views import freeze_params
 
 __all__ = [
     "ConnectorMetadata",
+    "decode_json_envelope",
     "HandshakeMetadata",
     "MetadataSlot",
 ]
@@ -112,6 +113,41 @@ class MetadataSlot(Generic[M]):
 
 def _reject_constant(name: str) -> object:
     raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+def decode_json_envelope(
+    data: object, *, kind: str, version: int, keys: Collection[str],
+    lists: Iterable[str] = (), fail: Callable[[str], NoReturn],
+) -> dict[str, Any]:
+    """Decode the strict JSON object a connector's metadata ``encode`` writes (ERR-005, ERR-006).
+
+    Checks, in order: ``data`` is bytes; it is UTF-8 JSON with no NaN or Infinity and no
+    runaway nesting; it is an object with exactly ``keys``; its ``"kind"`` equals ``kind``
+    and its ``"version"`` equals ``version``; every field named in ``lists`` is a list.
+    Each failure calls ``fail`` with a message saying what was found and what was expected,
+    so a connector raises its own ``MalformedMetadataError`` with its own prefix. Nothing is
+    unpickled. Field contents beyond these checks are the caller's to validate.
+
+    Returns:
+        The decoded object.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        fail(f"expected bytes, got {type(data).__name__}")
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        fail(f"not UTF-8 JSON: {e}")
+    if not isinstance(obj, dict) or set(obj) != set(keys):
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        fail(f"got {got}; expected an object with keys {sorted(keys)}")
+    if obj["kind"] != kind:
+        fail(f"kind is {obj['kind']!r}; expected {kind!r}")
+    if isinstance(obj["version"], bool) or obj["version"] != version:
+        fail(f"version is {obj['version']!r}; expected {version}")
+    for name in lists:
+        if not isinstance(obj[name], list):
+            fail(f"{name} is {type(obj[name]).__name__}; expected a list")
+    return obj
 
 
 def _json_ready(value: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
+from typing import NoReturn
 from collections.abc import Mapping
 from typing import Any
 
@@ -435,3 +437,46 @@ def test_all_errors_are_kvspec_errors() -> None:
         except KVSpecError:
             continue
         raise AssertionError(f"{data!r} decoded")
+
+
+class _Bad(Exception):
+    pass
+
+
+def _fail(msg: str) -> NoReturn:
+    raise _Bad(msg)
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ("text", "expected bytes, got str"),
+        (b"\xff", "not UTF-8 JSON"),
+        (b'{"kind": "m", "version": 1, "jobs": [], "x": NaN}', "not UTF-8 JSON"),
+        (b"[" * 100_000, "not UTF-8 JSON"),
+        (b"[]", "got list; expected an object with keys ['jobs', 'kind', 'version']"),
+        (b'{"kind": "m", "version": 1}', "got ['kind', 'version']; expected an object"),
+        (b'{"kind": "other", "version": 1, "jobs": []}', "kind is 'other'; expected 'm'"),
+        (b'{"kind": "m", "version": true, "jobs": []}', "version is True; expected 1"),
+        (b'{"kind": "m", "version": 2, "jobs": []}', "version is 2; expected 1"),
+        (b'{"kind": "m", "version": 1, "jobs": {}}', "jobs is dict; expected a list"),
+    ],
+)
+def test_decode_json_envelope_rejects(data: object, fragment: str) -> None:
+    from kvspec.protocols import decode_json_envelope
+
+    with pytest.raises(_Bad, match=re.escape(fragment)):
+        decode_json_envelope(data, kind="m", version=1, keys={"kind", "version", "jobs"},
+                             lists=("jobs",), fail=_fail)
+
+
+def test_decode_json_envelope_accepts_and_never_unpickles(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    from kvspec.protocols import decode_json_envelope
+
+    monkeypatch.setattr(pickle, "loads", lambda *_: (_ for _ in ()).throw(AssertionError))
+    obj = decode_json_envelope(b'{"kind": "m", "version": 1, "jobs": [[1, "ab"]]}', kind="m",
+                               version=1, keys=("kind", "version", "jobs"), lists=("jobs",),
+                               fail=_fail)
+    assert obj == {"kind": "m", "version": 1, "jobs": [[1, "ab"]]}

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import attrs
 from typing_extensions import Self
 
+from kvspec.protocols.metadata import decode_json_envelope
 from kvspec.protocols import (
     AllocatedBlocks,
     BlockRemoved,
@@ -286,22 +287,10 @@ class OffloadMetadata:
             MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or a
                 field is out of range (ERR-005).
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            _malformed(f"expected bytes, got {type(data).__name__}")
-        try:
-            obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            _malformed(f"not UTF-8 JSON: {e}")
-        if not isinstance(obj, dict) or set(obj) != _META_KEYS:
-            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            _malformed(f"got {got}; expected an object with keys {sorted(_META_KEYS)}")
-        if obj["kind"] != _META_KIND:
-            _malformed(f"kind is {obj['kind']!r}; expected {_META_KIND!r}")
-        if isinstance(obj["version"], bool) or obj["version"] != _META_VERSION:
-            _malformed(f"version is {obj['version']!r}; expected {_META_VERSION}")
-        for name in ("loads", "stores", "aborted_loads"):
-            if not isinstance(obj[name], list):
-                _malformed(f"{name} is {type(obj[name]).__name__}; expected a list")
+        obj = decode_json_envelope(
+            data, kind=_META_KIND, version=_META_VERSION, keys=_META_KEYS,
+            lists=("loads", "stores", "aborted_loads"), fail=_malformed,
+        )
 
         def job(value: object, what: str, is_load: bool) -> TransferJob:
             if not isinstance(value, dict) or set(value) != _JOB_KEYS:
@@ -326,9 +315,6 @@ class OffloadMetadata:
         except InvalidArgumentError as e:
             _malformed(e.message)
 
-
-def _reject_constant(name: str) -> object:
-    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 # ----------------------------------------------------------------------------- scheduler

@@ -68,6 +68,7 @@ import attrs
 import torch
 from typing_extensions import Self
 
+from kvspec.protocols.metadata import decode_json_envelope
 from kvspec.protocols import (
     AllocatedBlocks,
     BlockStored,
@@ -102,7 +103,6 @@ from .shared_storage import SharedStorageScheduler, StorageSettings, block_path
 # connectors must agree on key syntax, the block file format and the marker records.
 from .shared_storage import _check_key  # key syntax (lowercase hex)
 from .shared_storage import _read_block_file  # block file format, read side
-from .shared_storage import _reject_constant  # strict JSON: no NaN / Infinity
 from .shared_storage import _SaveRecord  # keys + BlockStored events, for _mark_done
 from .shared_storage import _write_block_file  # block file format, write side
 
@@ -249,19 +249,10 @@ class LayerwiseMetadata:
             MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or a
                 field is out of range (ERR-005).
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            _malformed(f"expected bytes, got {type(data).__name__}")
-        try:
-            obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            _malformed(f"not UTF-8 JSON: {e}")
-        if not isinstance(obj, dict) or set(obj) != _META_KEYS:
-            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            _malformed(f"got {got}; expected an object with keys {sorted(_META_KEYS)}")
-        if obj["kind"] != _META_KIND:
-            _malformed(f"kind is {obj['kind']!r}; expected {_META_KIND!r}")
-        if isinstance(obj["version"], bool) or obj["version"] != _META_VERSION:
-            _malformed(f"version is {obj['version']!r}; expected {_META_VERSION}")
+        obj = decode_json_envelope(
+            data, kind=_META_KIND, version=_META_VERSION, keys=_META_KEYS,
+            lists=(), fail=_malformed,
+        )
         try:
             return cls(
                 loads=_wire_pairs(obj["loads"], "loads"),

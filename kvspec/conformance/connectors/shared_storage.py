@@ -64,6 +64,7 @@ import attrs
 import torch
 from typing_extensions import Self
 
+from kvspec.protocols.metadata import decode_json_envelope
 from kvspec.protocols import (
     AllocatedBlocks,
     BlockRemoved,
@@ -491,22 +492,10 @@ class SharedStorageMetadata:
             MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or
                 a field is out of range (ERR-005).
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            _malformed(f"expected bytes, got {type(data).__name__}")
-        try:
-            obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            _malformed(f"not UTF-8 JSON: {e}")
-        if not isinstance(obj, dict) or set(obj) != _META_KEYS:
-            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            _malformed(f"got {got}; expected an object with keys {sorted(_META_KEYS)}")
-        if obj["kind"] != _META_KIND:
-            _malformed(f"kind is {obj['kind']!r}; expected {_META_KIND!r}")
-        if isinstance(obj["version"], bool) or obj["version"] != _META_VERSION:
-            _malformed(f"version is {obj['version']!r}; expected {_META_VERSION}")
-        for name in ("loads", "saves", "aborted_loads"):
-            if not isinstance(obj[name], list):
-                _malformed(f"{name} is {type(obj[name]).__name__}; expected a list")
+        obj = decode_json_envelope(
+            data, kind=_META_KIND, version=_META_VERSION, keys=_META_KEYS,
+            lists=("loads", "saves", "aborted_loads"), fail=_malformed,
+        )
         try:
             loads = []
             for i, v in enumerate(obj["loads"]):
@@ -536,9 +525,6 @@ class SharedStorageMetadata:
         except InvalidArgumentError as e:
             _malformed(e.message)
 
-
-def _reject_constant(name: str) -> object:
-    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 # ----------------------------------------------------------------------------- scheduler
