@@ -126,6 +126,10 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
+_BYTES = frozenset({bytes})
+_INT = frozenset({int})
+
+
 def _check_hash(value: object, what: str) -> int | bytes:
     if isinstance(value, bool) or not isinstance(value, (int, bytes)):
         raise InvalidArgumentError(
@@ -177,6 +181,8 @@ def _block_hashes(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
         raise InvalidArgumentError(
             "block_hashes is empty; expected at least one block hash", clause="EVT-005"
         )
+    if set(map(type, items)) <= _BYTES and all(items):  # the common case, at C speed
+        return tuple(items)  # type: ignore[arg-type]
     return tuple(_check_hash(h, f"block_hashes[{i}]") for i, h in enumerate(items))
 
 
@@ -188,6 +194,8 @@ def _parent_block_hash(value: BlockHash | None) -> BlockHash | None:
 
 def _token_ids(value: Iterable[int]) -> tuple[int, ...]:
     items = _iterate(value, "token_ids", "EVT-005")
+    if not items or (set(map(type, items)) <= _INT and min(items) >= 0):  # type: ignore[type-var,operator]
+        return tuple(items)  # type: ignore[arg-type]
     for i, t in enumerate(items):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise InvalidArgumentError(
@@ -338,10 +346,9 @@ class ConnectorStats:
     statistics subclass this class (overriding :meth:`aggregate`, which MUST stay
     associative) or provide any :class:`SupportsAggregate` value instead.
 
-    Args:
-        counters: Counter name to value. Names are non-empty strings; values are finite
-            ints or floats (never ``bool``). The mapping is copied; later changes to the
-            argument do not affect the stats.
+    Construct it as ``ConnectorStats(counters={name: value, ...})``: names are non-empty
+    strings; values are finite ints or floats (never ``bool``). The mapping is copied;
+    later changes to the argument do not affect the stats.
 
     Raises:
         InvalidArgumentError: A name or value is malformed (EVT-006).

@@ -32,6 +32,9 @@ __all__ = [
 ]
 
 
+_INT = frozenset({int})
+
+
 def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
     try:
         out = tuple(values)
@@ -39,6 +42,8 @@ def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
         raise InvalidArgumentError(
             f"{name} must be an iterable of ints, got {type(values).__name__}", clause="ERR-002"
         ) from None
+    if set(map(type, out)) <= _INT:  # the common case, at C speed
+        return out
     for v in out:
         if isinstance(v, bool) or not isinstance(v, int):
             raise InvalidArgumentError(
@@ -52,6 +57,8 @@ def _block_ids(name: str, values: Iterable[int]) -> tuple[int, ...]:
         out = _ints(name, values)
     except InvalidArgumentError as e:
         raise InvalidBlockIdError(e.message, clause="ERR-003") from None
+    if not out or min(out) >= 0:
+        return out
     for b in out:
         if b < 0:
             raise InvalidBlockIdError(

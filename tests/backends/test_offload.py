@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -33,6 +34,7 @@ from kvspec.protocols import (
     BlockStored,
     EngineConfigView,
     InvalidArgumentError,
+    InvalidBlockIdError,
     KVCacheLayout,
     KVConnectorOutput,
     KVPacking,
@@ -58,23 +60,23 @@ def _config(**extra: Any) -> EngineConfigView:
 
 def test_lru_evicts_least_recently_used_first() -> None:
     lru = LRUPolicy(3)
-    for k in ("aa", "bb", "cc"):
+    for k in (1, 2, 3):
         lru.insert(k)
-    lru.touch("aa")
+    lru.touch(1)
     never = lambda k: False  # noqa: E731
-    assert [lru.evict(never), lru.evict(never), lru.evict(never)] == ["bb", "cc", "aa"]
+    assert [lru.evict(never), lru.evict(never), lru.evict(never)] == [2, 3, 1]
     assert lru.evict(never) is None
 
 
 def test_lru_skips_pinned_and_refuses_overflow() -> None:
     lru = LRUPolicy(2)
-    lru.insert("aa")
-    lru.insert("bb")
+    lru.insert(1)
+    lru.insert(2)
     with pytest.raises(InvalidArgumentError):
-        lru.insert("cc")
-    assert lru.evict(lambda k: k == "aa") == "bb"
+        lru.insert(3)
+    assert lru.evict(lambda k: k == 1) == 2
     assert lru.evict(lambda k: True) is None
-    assert list(lru) == ["aa"]
+    assert list(lru) == [1]
 
 
 def test_arc_adapts_between_recency_and_frequency() -> None:
@@ -285,17 +287,31 @@ def test_scheduler_drops_blocks_of_failed_loads() -> None:
 
 def test_metadata_round_trips_and_rejects_malformed() -> None:
     meta = OffloadMetadata(
-        loads=(TransferJob("r1", ((1, 0, "ab"), (2, -1, "cd")), True),),
-        stores=(TransferJob("r2", ((3, 5, "ef"),), False),),
+        loads=(TransferJob.of("r1", ((1, 0, 1), (2, -1, 2)), True),),
+        stores=(TransferJob.of("r2", ((3, 5, 3),), False),),
         aborted_loads=("r3",),
     )
     assert OffloadMetadata.decode(meta.encode()) == meta
-    for bad in (b"", b"[]", b"\xff", meta.encode().replace(b'"version":1', b'"version":2'),
-                meta.encode().replace(b"[3,5,", b"[3,-5,")):
+    good = meta.encode()
+    magic, size = struct.unpack_from("<4sI", good)
+    header, payload = good[8:8 + size], good[8 + size:]
+    # Payload: r1's three columns (2 blocks), then r2's (1 block): block, slot, tag.
+    r2_slot = 8 * 6 + 8
+    negative_slot = good[:8 + size + r2_slot] + struct.pack("<q", -5) + good[8 + size + r2_slot + 8:]
+    twice = good[:8 + size] + struct.pack("<6q", 1, 1, 0, 1, 1, 2) + payload[48:]
+    for bad in (b"", b"[]", b"\xff" * 12, good[:-1], good + b"\0" * 24, b"XXXX" + good[4:],
+                good.replace(b'"version":1', b'"version":2'),
+                good.replace(b'"blocks":2', b'"blocks":0'),
+                struct.pack("<4sI", magic, 1 << 30) + header + payload,
+                negative_slot, twice):
         with pytest.raises(MalformedMetadataError):
             OffloadMetadata.decode(bad)
     with pytest.raises(InvalidArgumentError):
-        TransferJob("r", ((1, -1, "ab"),), False)  # stores need a real slot
+        TransferJob("r", (1, 2), (0, 0), (1, 1), False)  # one slot twice
+    with pytest.raises(InvalidArgumentError):
+        TransferJob("r", (1, True), (0, 1), (1, 1), False)  # a bool is not a block id
+    with pytest.raises(InvalidArgumentError):
+        TransferJob.of("r", ((1, -1, 1),), False)  # stores need a real slot
 
 
 # -------------------------------------------------------------------------------- worker
@@ -352,11 +368,11 @@ def test_worker_store_load_round_trip_is_byte_exact(
             assert layout.regions_per_block == 1 and pool.path == "block"
         src = {b: _block_bytes(layout, layers, b) for b in (2, 7, 9)}
         _run(worker, OffloadMetadata(stores=(
-            TransferJob("s", ((2, 3, "aa"), (7, 0, "bb"), (9, 1, "cc")), False),)))
+            TransferJob.of("s", ((2, 3, 1), (7, 0, 2), (9, 1, 3)), False),)))
         _wait_finished(worker, "s", recv=False)
         before = storage.clone()
         _run(worker, OffloadMetadata(loads=(
-            TransferJob("l", ((5, 3, "aa"), (0, 0, "bb"), (4, 1, "cc")), True),)))
+            TransferJob.of("l", ((5, 3, 1), (0, 0, 2), (4, 1, 3)), True),)))
         _wait_finished(worker, "l", recv=True)
         assert worker.get_failed_recving() == frozenset()
         assert _block_bytes(layout, layers, 5) == src[2]
@@ -387,11 +403,11 @@ def test_failed_loads_end_as_failed_recv_with_invalid_blocks() -> None:
     worker, _, _ = _registered(offload_slots=4)
     try:
         _run(worker, OffloadMetadata(stores=(
-            TransferJob("s", ((1, 0, "aa"), (5, 1, "dd")), False),)))
+            TransferJob.of("s", ((1, 0, 1), (5, 1, 4)), False),)))
         _wait_finished(worker, "s", recv=False)
-        # Slot 0 holds "aa": a load that expects "bb" there, and a missing slot, both fail.
+        # Slot 0 holds 1: a load that expects 2 there, and a missing slot, both fail.
         _run(worker, OffloadMetadata(loads=(
-            TransferJob("l", ((2, 0, "bb"), (3, -1, "cc"), (4, 1, "dd")), True),)))
+            TransferJob.of("l", ((2, 0, 2), (3, -1, 3), (4, 1, 4)), True),)))
         _wait_finished(worker, "l", recv=True)
         assert worker.get_failed_recving() == {"l"}
         assert worker.get_block_ids_with_load_errors() == {2, 3}
@@ -402,9 +418,9 @@ def test_failed_loads_end_as_failed_recv_with_invalid_blocks() -> None:
 def test_injected_faults_fail_every_load() -> None:
     worker, _, _ = _registered(offload_slots=4, load_fault_rate=1.0)
     try:
-        _run(worker, OffloadMetadata(stores=(TransferJob("s", ((1, 0, "aa"),), False),)))
+        _run(worker, OffloadMetadata(stores=(TransferJob.of("s", ((1, 0, 1),), False),)))
         _wait_finished(worker, "s", recv=False)
-        _run(worker, OffloadMetadata(loads=(TransferJob("l", ((2, 0, "aa"),), True),)))
+        _run(worker, OffloadMetadata(loads=(TransferJob.of("l", ((2, 0, 1),), True),)))
         _wait_finished(worker, "l", recv=True)
         assert worker.get_failed_recving() == {"l"}
         assert worker.get_block_ids_with_load_errors() == {2}
@@ -428,9 +444,9 @@ def test_pool_must_fit_the_byte_budget() -> None:
 
 def test_shutdown_is_bounded_idempotent_and_leaves_no_thread() -> None:
     worker, _, _ = _registered(offload_slots=8, load_delay_s=30.0)
-    _run(worker, OffloadMetadata(stores=(TransferJob("s", ((1, 0, "aa"),), False),)))
+    _run(worker, OffloadMetadata(stores=(TransferJob.of("s", ((1, 0, 1),), False),)))
     _run(worker, OffloadMetadata(loads=tuple(
-        TransferJob(f"l{i}", ((2 + i, 0, "aa"),), True) for i in range(4))))
+        TransferJob.of(f"l{i}", ((2 + i, 0, 1),), True) for i in range(4))))
     worker.handle_preemptions(frozenset())  # nothing preempted: returns at once
     start = time.monotonic()
     worker.shutdown()
@@ -460,3 +476,73 @@ def test_conformance_scenarios_and_async_scheduling() -> None:
     )
     assert result.exit_code == 0
     assert result.passed > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------------------ host pool
+
+
+@st.composite
+def _pool_cases(draw: st.DrawFn) -> tuple[KVCacheLayout, list[int], list[int]]:
+    order = draw(st.sampled_from(list(StrideOrder)))
+    packing = draw(st.sampled_from(list(KVPacking)))
+    dtype = draw(st.sampled_from([torch.float16, torch.float32, torch.uint8]))
+    layers, blocks = draw(st.integers(1, 3)), draw(st.integers(2, 9))
+    layout = KVCacheLayout.contiguous(
+        order, packing, dtype, layers, blocks, draw(st.integers(1, 3)), draw(st.integers(1, 2)),
+        draw(st.sampled_from([1, 3, 4, 8])), block_capacity=blocks + draw(st.integers(0, 2)),
+        page_padding_elems=draw(st.sampled_from([0, 1, 5])),
+    )
+    n = draw(st.integers(1, blocks))
+    ids = draw(st.permutations(range(blocks)))[:n]
+    slots = draw(st.permutations(range(blocks)))[:n]  # arbitrary runs of consecutive slots
+    return layout, list(ids), list(slots)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_pool_cases())
+def test_pool_store_and_load_are_byte_exact_on_every_path(
+    case: tuple[KVCacheLayout, list[int], list[int]],
+) -> None:
+    """Any layout (every path and element width), any blocks, any slot order: a store then
+    a load into other blocks moves exactly each block's bytes and touches nothing else."""
+    layout, ids, slots = case
+    storage = torch.randint(0, 256, (layout.span_bytes,), dtype=torch.uint8)
+    layer0 = storage.view(layout.dtype)[: layout.span_elems] if layout.dtype != torch.uint8 \
+        else storage
+    pool = HostPool(layer0, layout, layout.num_blocks, 1 << 40)
+    assert pool.path in ("block", "rows", "elements")
+    regions = layout.block_region_offsets(list(range(layout.num_blocks))).tolist()
+
+    def block(b: int, buf: torch.Tensor) -> bytes:
+        return b"".join(bytes(buf[o: o + layout.region_nbytes].tolist()) for o in regions[b])
+
+    before = storage.clone()
+    pool.store(pool.plan(ids, slots))
+    for b, s in zip(ids, slots):
+        assert bytes(pool.host[s].tolist()) == block(b, before)
+    assert torch.equal(storage, before)  # a store reads only
+    targets = list(reversed(ids))
+    pool.load(pool.plan(targets, slots))
+    for t, b in zip(targets, ids):
+        assert block(t, storage) == block(b, before)
+    changed = (storage != before).nonzero().flatten().tolist()
+    allowed = {o + k for t in targets for o in regions[t] for k in range(layout.region_nbytes)}
+    assert set(changed) <= allowed  # no padding, no other block, no other byte (WRK-002)
+
+
+def test_pool_plan_checks_ids_slots_and_lengths() -> None:
+    layout = KVCacheLayout.contiguous(StrideOrder.BLNHC, KVPacking.CONCAT, torch.float32,
+                                      2, 6, BS, 1, 4, block_capacity=8)
+    _, layers = _layers(layout)
+    pool = HostPool(layers[0], layout, 4, 1 << 30)
+    assert pool.path == "block" and pool.element_bytes == 16
+    assert pool.plan([5, 1, 2], [1, 2, 3]).runs == ((1, 0, 3),)
+    assert pool.plan([5, 1, 2], [3, 0, 1]).runs == ((3, 0, 1), (0, 1, 2))
+    with pytest.raises(InvalidBlockIdError):
+        pool.plan([6], [0])  # inside block_capacity, outside the budget (LAY-012)
+    with pytest.raises(InvalidBlockIdError):
+        pool.plan([True], [0])
+    with pytest.raises(OffloadCapacityError):
+        pool.plan([1], [4])
+    with pytest.raises(OffloadCapacityError):
+        pool.plan([1, 2], [0])

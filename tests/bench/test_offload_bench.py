@@ -28,12 +28,13 @@ def test_quick_json_runs_and_reports_positive_ratios(capsys: pytest.CaptureFixtu
                     "blocks", "mib_moved", "path", "store_gbps", "load_gbps", "ceiling_gbps"):
             assert key in row
         assert row["store_ratio"] > 0 and row["load_ratio"] > 0
-        assert row["path"] in ("block", "rows", "bytes")
+        assert row["path"] in ("block", "rows", "elements")
         assert row["bytes_moved"] == row["blocks"] * row["layers"] * row["block_size"] * (
             row["heads"] * 2 * row["head_size"] * 2)  # bfloat16, K and V
     assert {r["family"] for r in data["results"]} == {"block-outermost", "layer-outermost"}
-    assert data["step_overhead_us"]["blocks"] == 256
-    assert data["step_overhead_us"]["total_us"] > 0
+    assert [o["direction"] for o in data["step_overhead_us"]] == ["store", "load"]
+    for o in data["step_overhead_us"]:
+        assert o["blocks"] == 256 and o["total_us"] > 0 and o["events_us"] >= 0
     assert all(isinstance(t["passed"], bool) for t in data["targets"])
     assert err.count("\n") >= len(data["results"])  # one progress line per grid point
 
@@ -46,7 +47,7 @@ def test_table_output_has_columns_and_target_lines(capsys: pytest.CaptureFixture
         assert column in out
     assert "BHLNC" in out and "LHBNC" in out
     targets = [line for line in out.splitlines() if line.startswith("target ")]
-    assert len(targets) == 5
+    assert len(targets) == 6  # 4 ratios, per-step work of a store and of a load
     assert all(line.endswith(("PASS", "MISS")) for line in targets)
 
 
@@ -80,10 +81,13 @@ def test_measure_point_moves_half_the_blocks_through_the_pool() -> None:
 
 
 def test_step_overhead_parts_sum_roughly_to_total() -> None:
-    o = measure_step_overhead(32, repeats=2, warmup=0)
-    assert o.blocks == 32
-    assert min(o.schedule_us, o.encode_us, o.decode_us, o.plan_us) > 0
-    assert o.total_us > 0
+    store, load = measure_step_overhead(32, layers=2, repeats=2, warmup=0)
+    assert (store.direction, load.direction) == ("store", "load")
+    for o in (store, load):
+        parts = (o.schedule_us, o.encode_us, o.decode_us, o.plan_us, o.finish_us)
+        assert o.blocks == 32 and min(parts) > 0
+        assert o.total_us == pytest.approx(sum(parts), rel=1.0)  # median of sums, not sum
+    assert store.events_us > 0  # BlockStored events of the 32 stored blocks
 
 
 @pytest.mark.parametrize("bad", [

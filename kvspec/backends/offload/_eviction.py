@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from kvspec.protocols import InvalidArgumentError
 
@@ -39,22 +39,32 @@ class EvictionPolicy(ABC):
         self.capacity = capacity
 
     @abstractmethod
-    def insert(self, key: str) -> None:
+    def insert(self, key: bytes) -> None:
         """Make ``key`` resident. The caller has made room: inserting beyond
         :attr:`capacity` raises InvalidArgumentError."""
 
     @abstractmethod
-    def touch(self, key: str) -> None:
+    def touch(self, key: bytes) -> None:
         """Record a hit on resident ``key``; unknown keys are ignored."""
 
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`insert` each of ``keys``, in order (policies may do it in bulk)."""
+        for key in keys:
+            self.insert(key)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` each of ``keys``, in order (policies may do it in bulk)."""
+        for key in keys:
+            self.touch(key)
+
     @abstractmethod
-    def evict(self, is_pinned: Callable[[str], bool], incoming: str | None = None) -> str | None:
+    def evict(self, is_pinned: Callable[[bytes], bool], incoming: bytes | None = None) -> bytes | None:
         """Remove and return the victim among unpinned resident keys, or None if every
         resident key is pinned (or none is resident). ``incoming`` is the key the room is
         made for, if known (ARC adapts on it)."""
 
     @abstractmethod
-    def remove(self, key: str) -> None:
+    def remove(self, key: bytes) -> None:
         """Forget resident ``key`` without counting it as an eviction; unknown keys are
         ignored."""
 
@@ -67,10 +77,10 @@ class EvictionPolicy(ABC):
         """The number of resident keys (never above :attr:`capacity`)."""
 
     @abstractmethod
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[bytes]:
         """Resident keys, the next victim (of an unpinned set) first."""
 
-    def _check_room(self, key: str) -> None:
+    def _check_room(self, key: bytes) -> None:
         if len(self) >= self.capacity and key not in self:
             raise InvalidArgumentError(
                 f"cannot insert {key!r}: {len(self)} keys resident at capacity "
@@ -80,8 +90,8 @@ class EvictionPolicy(ABC):
 
 
 def _pop_first_unpinned(
-    entries: OrderedDict[str, None], is_pinned: Callable[[str], bool]
-) -> str | None:
+    entries: OrderedDict[bytes, None], is_pinned: Callable[[bytes], bool]
+) -> bytes | None:
     for key in entries:
         if not is_pinned(key):
             del entries[key]
@@ -95,24 +105,40 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._entries: OrderedDict[str, None] = OrderedDict()
+        self._entries: OrderedDict[bytes, None] = OrderedDict()
 
-    def insert(self, key: str) -> None:
+    def insert(self, key: bytes) -> None:
         """Make ``key`` resident as the most recently used."""
         self._check_room(key)
         self._entries[key] = None
         self._entries.move_to_end(key)
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: bytes) -> None:
         """Mark ``key`` most recently used."""
         if key in self._entries:
             self._entries.move_to_end(key)
 
-    def evict(self, is_pinned: Callable[[str], bool], incoming: str | None = None) -> str | None:
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        """Insert ``keys`` in order; new keys that fit are appended in one C-level update."""
+        entries = self._entries
+        if len(entries) + len(keys) <= self.capacity and entries.keys().isdisjoint(keys):
+            entries.update(dict.fromkeys(keys))
+        else:
+            super().insert_many(keys)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` most recently used, the last one most."""
+        entries = self._entries
+        move = entries.move_to_end
+        for key in keys:
+            if key in entries:
+                move(key)
+
+    def evict(self, is_pinned: Callable[[bytes], bool], incoming: bytes | None = None) -> bytes | None:
         """Remove and return the least recently used unpinned key."""
         return _pop_first_unpinned(self._entries, is_pinned)
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: bytes) -> None:
         """Forget ``key``."""
         self._entries.pop(key, None)
 
@@ -122,7 +148,7 @@ class LRUPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[bytes]:
         return iter(list(self._entries))
 
 
@@ -140,23 +166,23 @@ class ARCPolicy(EvictionPolicy):
         super().__init__(capacity)
         self.p = 0.0
         """The adaptive target size of ``T1``, in ``[0, capacity]``."""
-        self._t1: OrderedDict[str, None] = OrderedDict()
-        self._t2: OrderedDict[str, None] = OrderedDict()
-        self._b1: OrderedDict[str, None] = OrderedDict()
-        self._b2: OrderedDict[str, None] = OrderedDict()
-        self._adapted: set[str] = set()  # ghosts whose REPLACE already adapted p
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._adapted: set[bytes] = set()  # ghosts whose REPLACE already adapted p
 
     @property
-    def recent(self) -> tuple[str, ...]:
+    def recent(self) -> tuple[bytes, ...]:
         """Keys of ``T1`` (seen once), least recent first."""
         return tuple(self._t1)
 
     @property
-    def frequent(self) -> tuple[str, ...]:
+    def frequent(self) -> tuple[bytes, ...]:
         """Keys of ``T2`` (hit again), least recent first."""
         return tuple(self._t2)
 
-    def _adapt(self, key: str) -> None:
+    def _adapt(self, key: bytes) -> None:
         c = self.capacity
         if key in self._b1:
             delta = max(1.0, len(self._b2) / max(1, len(self._b1)))
@@ -165,7 +191,7 @@ class ARCPolicy(EvictionPolicy):
             delta = max(1.0, len(self._b1) / max(1, len(self._b2)))
             self.p = max(0.0, self.p - delta)
 
-    def insert(self, key: str) -> None:
+    def insert(self, key: bytes) -> None:
         """Make ``key`` resident: in ``T2`` if it is a ghost (adapting :attr:`p`), else in
         ``T1``. Ghost lists are trimmed to the capacity."""
         self._check_room(key)
@@ -191,7 +217,7 @@ class ARCPolicy(EvictionPolicy):
         if len(self._adapted) > 2 * c:
             self._adapted = {k for k in self._adapted if k in self._b1 or k in self._b2}
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: bytes) -> None:
         """A hit: move ``key`` to the most recent end of ``T2``."""
         if key in self._t1:
             del self._t1[key]
@@ -199,7 +225,7 @@ class ARCPolicy(EvictionPolicy):
         elif key in self._t2:
             self._t2.move_to_end(key)
 
-    def evict(self, is_pinned: Callable[[str], bool], incoming: str | None = None) -> str | None:
+    def evict(self, is_pinned: Callable[[bytes], bool], incoming: bytes | None = None) -> bytes | None:
         """ARC's REPLACE: evict from ``T1`` when it exceeds :attr:`p` (or equals it and
         ``incoming`` is a ghost of ``B2``), else from ``T2``; the victim becomes a ghost.
         A ghost ``incoming`` adapts :attr:`p` first, once (its later insert does not)."""
@@ -221,7 +247,7 @@ class ARCPolicy(EvictionPolicy):
                 return victim
         return None
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: bytes) -> None:
         """Forget ``key`` (no ghost is kept)."""
         for lst in (self._t1, self._t2, self._b1, self._b2):
             lst.pop(key, None)
@@ -233,7 +259,7 @@ class ARCPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[bytes]:
         return iter([*self._t1, *self._t2])
 
 

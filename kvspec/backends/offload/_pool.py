@@ -1,36 +1,61 @@
 """The host buffer pool of one worker rank, and the vectorised block gathers and scatters.
 
-The pool is one contiguous ``uint8`` tensor of ``slots * bytes_per_block`` bytes, allocated
-once (pinned when CUDA is available), viewed as ``[slots, bytes_per_block]``. A slot holds
-one block of this rank, every layer storage (LAY-011), the block's regions concatenated in
-ascending byte order; padding is never copied (LAY-004).
+The pool is one contiguous tensor of ``slots * bytes_per_block`` bytes, allocated once
+(pinned when CUDA is available). A slot holds one block of this rank, every layer storage
+(LAY-011), the block's regions concatenated in ascending byte order; padding is never
+copied (LAY-004).
 
-The KV caches are reached through one flat ``uint8`` view of the buffer behind the layer
-tensors, starting at layer 0's first byte, so that :meth:`KVCacheLayout.block_region_offsets`
-are indices into it (LAY-006). Blocks move with one indexed op per direction and job, never
-a Python loop over layers or blocks, by one of three paths (:attr:`HostPool.path`):
+The KV caches are reached through one flat view of the buffer behind the layer tensors,
+starting at layer 0's first byte, so that :meth:`KVCacheLayout.block_region_offsets` are
+indices into it (LAY-006). Both sides are viewed with the widest element (16, 8, 4, 2 or 1
+bytes) that divides the region size, every region offset, the block stride and layer 0's
+byte offset: PyTorch's indexed copies move one element per inner-loop step, so copying
+4 KiB regions as 256 sixteen-byte elements instead of 4096 bytes is what makes them run at
+memory speed. Bytes are copied, never interpreted (no arithmetic, no NaN canonicalisation).
+
+A job is planned once (:meth:`HostPool.plan`): the range checks, the index of the regions
+to move, and the runs of consecutive slots. Each run then moves with one indexed op per
+direction, never a Python loop over layers or blocks: ``index_select`` into the pool's
+rows (store) and ``index_copy_`` from them (load), on one of three paths
+(:attr:`HostPool.path`):
 
 ``"block"``
     one region per block (unpadded block-outermost layouts, LAY-013): a
-    ``[block_capacity, region_nbytes]`` view of the KV buffer with the block stride, indexed
-    by block id.
+    ``[block_capacity, region]`` view of the KV buffer with the block stride, indexed by
+    block id; one index entry per block.
 ``"rows"``
-    every region offset is a multiple of ``region_nbytes``: a ``[rows, region_nbytes]`` view
-    of the KV buffer indexed by ``offset // region_nbytes``.
-``"bytes"``
-    anything else: a byte index ``offsets[:, :, None] + arange(region_nbytes)`` over the
-    flat view.
+    every region offset is a multiple of the region size (layer-outermost and padded
+    layouts whose pitch is whole regions): a ``[rows, region]`` view of the KV buffer
+    indexed by ``offset // region``; one index entry per region.
+``"elements"``
+    anything else: an element index ``offsets[:, :, None] + arange(region)`` over the flat
+    view; one index entry per element.
+
+The scheduler places a job's blocks in consecutive slots whenever it can (its free list
+hands out the lowest slots first), so a job is usually one run.
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
+import attrs
 import torch
 
-from kvspec.protocols import InvalidArgumentError, KVCacheLayout, LayoutMismatchError
+from kvspec.protocols import (
+    InvalidArgumentError,
+    InvalidBlockIdError,
+    KVCacheLayout,
+    LayoutMismatchError,
+)
 
-__all__ = ["HostPool", "OffloadCapacityError"]
+__all__ = ["CopyPlan", "HostPool", "OffloadCapacityError"]
+
+_WIDE: tuple[tuple[int, torch.dtype], ...] = (
+    (16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16),
+    (1, torch.uint8),
+)
 
 
 class OffloadCapacityError(InvalidArgumentError):
@@ -38,10 +63,11 @@ class OffloadCapacityError(InvalidArgumentError):
     ``offload_bytes``, or a slot index is outside the pool (ERR-002)."""
 
 
-def _flat_bytes(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """A flat uint8 view of ``nbytes`` bytes starting at ``tensor``'s first element."""
+def _flat_bytes(tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, int]:
+    """A flat uint8 view of the whole storage behind ``tensor``, and the byte offset of
+    ``tensor``'s first element in it (checked to leave ``nbytes`` bytes)."""
     storage = tensor.untyped_storage()
-    start = tensor.storage_offset() * tensor.element_size()
+    start = int(tensor.storage_offset()) * tensor.element_size()
     if start + nbytes > storage.nbytes():
         raise LayoutMismatchError(
             f"the layer tensors' buffer holds {storage.nbytes() - start} bytes from layer 0; "
@@ -50,7 +76,47 @@ def _flat_bytes(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
         )
     whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     whole.set_(storage, 0, (storage.nbytes(),), (1,))
-    return whole[start:start + nbytes]
+    return whole, start
+
+
+def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor, without a per-element Python conversion."""
+    buf = array.array("q", values)
+    return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
+
+
+def _runs(slots: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """``(first slot, first job position, length)`` of each run of consecutive slots."""
+    n = len(slots)
+    first = slots[0]
+    if slots[-1] - first == n - 1 and tuple(slots) == tuple(range(first, first + n)):
+        return ((first, 0, n),)
+    runs = []
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or slots[i] != slots[i - 1] + 1:
+            runs.append((slots[start], start, i - start))
+            start = i
+    return tuple(runs)
+
+
+@attrs.frozen
+class CopyPlan:
+    """A checked, ready-to-run block move between the KV caches and the pool.
+
+    Attributes:
+        block_ids: Engine blocks, in job order.
+        slots: Pool slots, pairwise with ``block_ids``.
+        index: The index into :attr:`HostPool.path`'s view of the KV caches,
+            ``entries_per_block`` entries per block, in job order.
+        runs: ``(first slot, first job position, length)`` per run of consecutive slots;
+            one indexed op per run and direction.
+    """
+
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    index: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...]
 
 
 class HostPool:
@@ -77,6 +143,7 @@ class HostPool:
         self.bytes_per_block = self.region_nbytes * self.regions_per_block
         """Bytes of one block of this rank, every layer storage, without padding."""
         self.slots = slots
+        self.num_blocks = layout.num_blocks
         need = slots * self.bytes_per_block
         if need > budget_bytes:
             raise OffloadCapacityError(
@@ -87,92 +154,119 @@ class HostPool:
                 clause="ERR-002",
             )
         self.device = kv_layer0.device
-        self._kv = _flat_bytes(kv_layer0, layout.span_bytes)
+        whole, start = _flat_bytes(kv_layer0, layout.span_bytes)
+        r = self.region_nbytes
+        bases = [int(b) for b in layout.block_region_offsets([0])[0]]
+        stride = layout.block_stride_bytes
+        self.element_bytes, dtype = next(
+            (w, d) for w, d in _WIDE
+            if all(x % w == 0 for x in (r, stride, start, whole.nbytes, *bases))
+        )
+        """Bytes per element of the indexed copies (16 for the usual layouts)."""
+        w = self.element_bytes
         pin = torch.cuda.is_available()
         self.host = torch.zeros(need, dtype=torch.uint8, pin_memory=pin).view(
             slots, self.bytes_per_block
         )
         """The pool: ``[slots, bytes_per_block]`` uint8 on the host."""
-        bases = layout.block_region_offsets([0])[0]
-        base0 = int(bases[0])
-        r = self.region_nbytes
-        self._rows: torch.Tensor | None = None
-        self._blocks: torch.Tensor | None = None
+        kv = whole.view(dtype)  # the whole storage, in wide elements
+        base = start // w
+        rows = r // w
+        self._view: torch.Tensor
+        self._bases = torch.tensor(bases, dtype=torch.int64) // w  # region starts, elements
         if self.regions_per_block == 1 and (
-            (layout.block_capacity - 1) * layout.block_stride_bytes + base0 + r <= layout.span_bytes
+            (layout.block_capacity - 1) * stride + bases[0] + r <= layout.span_bytes
         ):
             self.path = "block"
-            self._blocks = torch.as_strided(
-                self._kv, (layout.block_capacity, r), (layout.block_stride_bytes, 1),
-                self._kv.storage_offset() + base0,
+            self._view = torch.as_strided(
+                kv, (layout.block_capacity, rows), (stride // w, 1), base + bases[0] // w
             )
-        elif layout.block_stride_bytes % r == 0 and all(int(b) % r == 0 for b in bases):
+            self.entries_per_block = 1
+        elif stride % r == 0 and all(b % r == 0 for b in bases):
             self.path = "rows"
-            self._rows = self._kv[: (layout.span_bytes // r) * r].view(-1, r)
+            self._view = kv[base: base + (layout.span_bytes // r) * rows].view(-1, rows)
+            self._bases = torch.tensor(bases, dtype=torch.int64) // r
+            self.entries_per_block = self.regions_per_block
         else:
-            self.path = "bytes"
-        self._arange = torch.arange(r, dtype=torch.int64, device=self.device)
+            self.path = "elements"
+            self._view = kv[base: base + layout.span_bytes // w]
+            self.entries_per_block = self.regions_per_block * rows
+        self._stride_entries = stride // (r if self.path == "rows" else w)
+        self._arange = torch.arange(rows, dtype=torch.int64)
+        host = self.host.view(dtype)
+        self._host = host.view(-1, rows) if self.path != "elements" else host.view(-1)
 
-    def _check_slots(self, slots: Sequence[int]) -> torch.Tensor:
-        bad = [s for s in slots if not 0 <= s < self.slots]
-        if bad:
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, block_ids: Sequence[int], slots: Sequence[int]) -> CopyPlan:
+        """Check and plan moving ``block_ids`` to or from ``slots``, pairwise.
+
+        Raises:
+            InvalidBlockIdError: a block id outside ``[0, num_blocks)`` (LAY-012).
+            OffloadCapacityError: a slot outside the pool, or the lengths differ (ERR-002).
+        """
+        ids, slot_tuple = tuple(block_ids), tuple(slots)
+        if len(ids) != len(slot_tuple) or not ids:
             raise OffloadCapacityError(
-                f"slot {bad[0]} is outside the host pool [0, {self.slots}); the scheduler "
-                "and the workers must agree on offload_slots",
-                clause="ERR-002",
+                f"{len(ids)} block ids and {len(slot_tuple)} slots; expected the same "
+                "non-zero number", clause="ERR-002",
             )
-        return torch.tensor(list(slots), dtype=torch.int64)
-
-    def _index(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The indexed view and the index of the regions of ``block_ids``, in block order."""
-        layout = self.layout
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        offsets = layout.block_region_offsets(ids)  # [n, R], range-checked (LAY-012)
-        if self.path == "block":
-            assert self._blocks is not None
-            return self._blocks, ids
+        if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= self.num_blocks:
+            bad = next(b for b in ids if type(b) is not int or not 0 <= b < self.num_blocks)
+            raise InvalidBlockIdError(
+                f"block id {bad!r} is outside the engine's block budget; expected ints in "
+                f"[0, num_blocks={self.num_blocks})", clause="LAY-012",
+            )
+        if not set(map(type, slot_tuple)) <= {int} or min(slot_tuple) < 0 or (
+            max(slot_tuple) >= self.slots
+        ):
+            bad = next(s for s in slot_tuple if type(s) is not int or not 0 <= s < self.slots)
+            raise OffloadCapacityError(
+                f"slot {bad!r} is outside the host pool [0, {self.slots}); the scheduler "
+                "and the workers must agree on offload_slots", clause="ERR-002",
+            )
+        index = _int64_tensor(ids)
         if self.path == "rows":
-            assert self._rows is not None
-            return self._rows, (offsets // self.region_nbytes).reshape(-1)
-        index = (offsets[:, :, None] + self._arange[None, None, :]).reshape(-1)
-        return self._kv, index
+            index = (index[:, None] * self._stride_entries + self._bases[None, :]).reshape(-1)
+        elif self.path == "elements":
+            index = (
+                (index[:, None] * self._stride_entries + self._bases[None, :])[:, :, None]
+                + self._arange[None, None, :]
+            ).reshape(-1)
+        return CopyPlan(ids, slot_tuple, index.to(self.device), _runs(slot_tuple))
 
-    def store(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Copy the blocks ``block_ids`` of the KV caches into the pool's ``slots``, pairwise,
-        with one gather and one scatter.
+    # -- copies -----------------------------------------------------------------------------
 
-        Raises:
-            InvalidBlockIdError: a block id outside ``[0, num_blocks)`` (LAY-012).
-            OffloadCapacityError: a slot outside the pool.
-        """
-        if not block_ids:
-            return
-        slot_index = self._check_slots(slots)
-        view, index = self._index(block_ids)
-        assert index is not None
-        data = view.index_select(0, index).reshape(len(block_ids), self.bytes_per_block)
-        self.host.index_copy_(0, slot_index, data.to("cpu"))
+    def _host_rows(self, slot: int, n: int) -> torch.Tensor:
+        k = self.entries_per_block
+        return self._host[slot * k:(slot + n) * k]
 
-    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy the pool's ``slots`` into the blocks ``block_ids`` of the KV caches, pairwise,
-        with one gather and one scatter.
+    def store(self, plan: CopyPlan) -> None:
+        """Copy the plan's blocks of the KV caches into its slots: one gather per run of
+        consecutive slots, straight into the pool's rows (through a device staging
+        buffer when the KV caches are not on the host)."""
+        k = self.entries_per_block
+        for slot, pos, n in plan.runs:
+            index = plan.index[pos * k:(pos + n) * k]
+            dst = self._host_rows(slot, n)
+            if self.device.type == "cpu":
+                torch.index_select(self._view, 0, index, out=dst)
+            else:
+                dst.copy_(self._view.index_select(0, index), non_blocking=True)
 
-        Raises:
-            InvalidBlockIdError: a block id outside ``[0, num_blocks)`` (LAY-012).
-            OffloadCapacityError: a slot outside the pool.
-        """
-        if not block_ids:
-            return
-        slot_index = self._check_slots(slots)
-        view, index = self._index(block_ids)
-        assert index is not None
-        data = self.host.index_select(0, slot_index).to(self.device, non_blocking=True)
-        src = data.reshape(-1, view.shape[1]) if view.dim() == 2 else data.reshape(-1)
-        view.index_copy_(0, index, src)
+    def load(self, plan: CopyPlan) -> None:
+        """Copy the plan's slots into its blocks of the KV caches: one scatter per run of
+        consecutive slots, straight from the pool's rows."""
+        k = self.entries_per_block
+        for slot, pos, n in plan.runs:
+            index = plan.index[pos * k:(pos + n) * k]
+            src = self._host_rows(slot, n)
+            if self.device.type != "cpu":
+                src = src.to(self.device, non_blocking=True)
+            self._view.index_copy_(0, index, src)
 
     def release(self) -> None:
         """Drop the references to the KV caches and the host memory (WRK-015)."""
         empty = torch.empty(0, dtype=torch.uint8)
-        self._kv = self._arange = empty
-        self._rows = self._blocks = None
+        self._view = self._arange = self._bases = self._host = empty
         self.host = empty.view(0, 0)

@@ -8,10 +8,12 @@ step's :class:`OffloadMetadata`, "store block b into slot s" and "load slot s in
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import math
-import re
+import struct
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -52,7 +54,6 @@ _log = logging.getLogger(__name__)
 MEDIUM = "CPU"
 """The ``medium`` of the backend's ``BlockStored`` / ``BlockRemoved`` events (EVT-005)."""
 
-_KEY_RE = re.compile(r"(?:[0-9a-f]{2}){1,256}")
 _META_KIND = "kvspec.offload"
 _META_VERSION = 1
 
@@ -153,68 +154,131 @@ def _malformed(detail: str) -> NoReturn:
     raise MalformedMetadataError(f"offload metadata is malformed: {detail}", clause="ERR-005")
 
 
-def _check_blocks(value: object, what: str, min_slot: int) -> tuple[tuple[int, int, str], ...]:
-    if not isinstance(value, tuple) or not value:
-        raise InvalidArgumentError(
-            f"{what} must be a non-empty tuple of (block_id, slot, key), got {value!r}"
-        )
-    seen_blocks: set[int] = set()
-    seen_slots: set[int] = set()
-    for item in value:
-        if not isinstance(item, tuple) or len(item) != 3:
-            raise InvalidArgumentError(f"{what} holds {item!r}; expected (block_id, slot, key)")
-        block, slot, key = item
-        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-            raise InvalidBlockIdError(
-                f"{what} holds block id {block!r}; expected an int >= 0", clause="ERR-003"
-            )
-        if isinstance(slot, bool) or not isinstance(slot, int) or slot < min_slot:
-            raise InvalidArgumentError(f"{what} holds slot {slot!r}; expected an int >= {min_slot}")
-        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-            raise InvalidArgumentError(f"{what} holds key {key!r}; expected lowercase hex")
-        if block in seen_blocks or (slot >= 0 and slot in seen_slots):
-            raise InvalidArgumentError(f"{what} names block {block} or slot {slot} twice")
-        seen_blocks.add(block)
-        seen_slots.add(slot)
+_INT = frozenset({int})
+
+
+def _column(
+    value: object, what: str, minimum: int, *, distinct: bool, typed: bool = False
+) -> tuple[int, ...]:
+    """Check one column of a job: a non-empty tuple of ints >= ``minimum`` (distinct ones,
+    ignoring -1, when ``distinct``); ``typed`` skips the element type check (the decoder's
+    columns are ints by construction). Runs at C speed: no per-element Python code."""
+    if type(value) is not tuple or not value:
+        raise InvalidArgumentError(f"{what} must be a non-empty tuple of ints, got {value!r}")
+    if not typed and not set(map(type, value)) <= _INT:
+        bad = next(v for v in value if type(v) is not int)
+        raise InvalidArgumentError(f"{what} holds {bad!r}; expected ints")
+    if min(value) < minimum:
+        raise InvalidArgumentError(f"{what} holds {min(value)}; expected ints >= {minimum}")
+    if distinct:
+        unique = set(value)
+        unique.discard(-1)
+        if len(unique) != len(value) - value.count(-1):
+            raise InvalidArgumentError(f"{what} names the same value twice")
     return value
 
 
 @attrs.frozen
 class TransferJob:
-    """One request's blocks to move between the KV caches and the host pool.
+    """One request's blocks to move between the KV caches and the host pool, as columns.
 
     Attributes:
         request_id: The request.
-        blocks: ``(block_id, slot, key)`` triples in token order: engine block, pool slot
-            and the block's storage key (hex of its salted hash, SCH-020). In a load a slot
-            of -1 means the block was evicted after the match: the workers fail it (WRK-011).
+        block_ids: Engine block ids in token order, distinct.
+        slots: The pool slot of each block, distinct. In a load a slot of -1 means the
+            block was evicted after the match: the workers fail it (WRK-011).
+        tags: The content tag of each slot: a store writes ``tags[i]`` into slot
+            ``slots[i]``; a load expects it there, and fails the block otherwise (a slot
+            overwritten, never stored, or whose store failed on this rank, WRK-011). The
+            scheduler tags each store job with a fresh number.
         is_load: True for a load (pool to KV caches), False for a store.
 
     Raises:
-        InvalidArgumentError: a field is malformed (InvalidBlockIdError for a block id).
+        InvalidArgumentError: a field is malformed, or the columns differ in length
+            (InvalidBlockIdError for a block id, ERR-003).
     """
 
     request_id: str
-    blocks: tuple[tuple[int, int, str], ...]
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    tags: tuple[int, ...]
     is_load: bool
 
     def __attrs_post_init__(self) -> None:
+        self._check(typed=False)
+
+    def _check(self, *, typed: bool) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidArgumentError(
                 f"request_id must be a non-empty str, got {self.request_id!r}"
             )
         if not isinstance(self.is_load, bool):
             raise InvalidArgumentError(f"is_load must be a bool, got {self.is_load!r}")
-        _check_blocks(self.blocks, f"blocks of {self.request_id!r}", -1 if self.is_load else 0)
+        what = f"job of {self.request_id!r}"
+        try:
+            _column(self.block_ids, f"block_ids of {what}", 0, distinct=True, typed=typed)
+        except InvalidArgumentError as e:
+            raise InvalidBlockIdError(e.message, clause="ERR-003") from None
+        _column(self.slots, f"slots of {what}", -1 if self.is_load else 0, distinct=True,
+                typed=typed)
+        _column(self.tags, f"tags of {what}", 0, distinct=False, typed=typed)
+        if not len(self.block_ids) == len(self.slots) == len(self.tags):
+            raise InvalidArgumentError(
+                f"{what} has {len(self.block_ids)} block ids, {len(self.slots)} slots and "
+                f"{len(self.tags)} tags; expected one of each per block"
+            )
 
-    @property
-    def block_ids(self) -> tuple[int, ...]:
-        """The engine block ids, in token order."""
-        return tuple(b for b, _, _ in self.blocks)
+    @classmethod
+    def _build(
+        cls, request_id: str, block_ids: tuple[int, ...], slots: tuple[int, ...],
+        tags: tuple[int, ...], is_load: bool, *, typed: bool | None,
+    ) -> TransferJob:
+        """Construct with the element type check skipped (``typed`` True: the columns are
+        ints by construction, as the decoder's are) or every check skipped (``typed``
+        None: the scheduler's own jobs, built from checked inputs)."""
+        job = object.__new__(cls)
+        for name, value in (("request_id", request_id), ("block_ids", block_ids),
+                            ("slots", slots), ("tags", tags), ("is_load", is_load)):
+            object.__setattr__(job, name, value)
+        if typed is not None:
+            job._check(typed=typed)
+        return job
+
+    @classmethod
+    def of(
+        cls, request_id: str, blocks: Sequence[tuple[int, int, int]], is_load: bool
+    ) -> TransferJob:
+        """Build a job from ``(block_id, slot, tag)`` triples (convenient in tests)."""
+        return cls(
+            request_id, tuple(b for b, _, _ in blocks), tuple(s for _, s, _ in blocks),
+            tuple(t for _, _, t in blocks), is_load,
+        )
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
 
 
 _META_KEYS = frozenset({"kind", "version", "loads", "stores", "aborted_loads"})
 _JOB_KEYS = frozenset({"request_id", "blocks"})
+_MAGIC = b"KVSO"
+_HEADER = struct.Struct("<4sI")  # magic, header length
+_MAX_HEADER = 1 << 24
+
+
+def _int64s(values: Sequence[int]) -> bytes:
+    """``values`` as little-endian int64s."""
+    buf = array.array("q", values)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian platform runs torch CI
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def _from_int64s(raw: bytes | memoryview) -> tuple[int, ...]:
+    buf = array.array("q")
+    buf.frombytes(raw)
+    if sys.byteorder != "little":  # pragma: no cover
+        buf.byteswap()
+    return tuple(buf)
 
 
 @attrs.frozen
@@ -229,8 +293,8 @@ class OffloadMetadata:
         aborted_loads: Requests finished while their load was in flight (SCH-021); the
             workers still report each in ``finished_recving`` once.
 
-    Encodes to the JSON object ``{"kind", "version", "loads", "stores", "aborted_loads"}``;
-    :meth:`decode` accepts exactly that and validates every field (ERR-005, ERR-006).
+    Encodes to a JSON header and int64 columns (:meth:`encode`); :meth:`decode` accepts
+    exactly that and validates every field (ERR-005, ERR-006).
 
     Raises:
         InvalidArgumentError: a field is malformed, or a request appears twice in a list.
@@ -266,18 +330,26 @@ class OffloadMetadata:
         return not (self.loads or self.stores or self.aborted_loads)
 
     def encode(self) -> bytes:
-        """Encode as UTF-8 JSON, no pickle (ERR-006)."""
+        """Encode as plain data, no pickle (ERR-006): the magic ``b"KVSO"``, the length of a
+        UTF-8 JSON header (``uint32`` little-endian), the header
+        ``{"kind", "version", "loads", "stores", "aborted_loads"}`` (each job
+        ``{"request_id", "blocks"}``, its block count), then for each job, loads first,
+        its ``block_ids``, ``slots`` and ``tags`` columns as little-endian int64s. A
+        256-block job encodes and decodes in microseconds."""
         def jobs(js: tuple[TransferJob, ...]) -> list[dict[str, Any]]:
-            return [{"request_id": j.request_id, "blocks": [list(b) for b in j.blocks]}
-                    for j in js]
+            return [{"request_id": j.request_id, "blocks": len(j)} for j in js]
 
-        return json.dumps(
+        header = json.dumps(
             {
                 "kind": _META_KIND, "version": _META_VERSION, "loads": jobs(self.loads),
                 "stores": jobs(self.stores), "aborted_loads": list(self.aborted_loads),
             },
             sort_keys=True, separators=(",", ":"),
         ).encode()
+        parts = [_HEADER.pack(_MAGIC, len(header)), header]
+        for j in (*self.loads, *self.stores):
+            parts.append(_int64s(j.block_ids + j.slots + j.tags))
+        return b"".join(parts)
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
@@ -287,34 +359,54 @@ class OffloadMetadata:
             MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or a
                 field is out of range (ERR-005).
         """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            _malformed(f"expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) < _HEADER.size:
+            _malformed(f"{len(data)} bytes; expected at least the {_HEADER.size}-byte prefix")
+        magic, size = _HEADER.unpack_from(data)
+        if magic != _MAGIC or size > min(_MAX_HEADER, len(data) - _HEADER.size):
+            _malformed(f"prefix {magic!r} with a {size}-byte header in {len(data)} bytes; "
+                       f"expected {_MAGIC!r} and a header that fits")
         obj = decode_json_envelope(
-            data, kind=_META_KIND, version=_META_VERSION, keys=_META_KEYS,
-            lists=("loads", "stores", "aborted_loads"), fail=_malformed,
+            data[_HEADER.size:_HEADER.size + size], kind=_META_KIND, version=_META_VERSION,
+            keys=_META_KEYS, lists=("loads", "stores", "aborted_loads"), fail=_malformed,
         )
+        counts = []
+        for name in ("loads", "stores"):
+            for i, value in enumerate(obj[name]):
+                n = value.get("blocks") if isinstance(value, dict) else None
+                if not isinstance(value, dict) or set(value) != _JOB_KEYS or type(n) is not int or (
+                    n < 1
+                ):
+                    _malformed(f"{name}[{i}] is {value!r}; expected {{'request_id': str, "
+                               "'blocks': int >= 1}")
+                counts.append(n)
+        payload = memoryview(data)[_HEADER.size + size:]
+        if len(payload) != 24 * sum(counts):
+            _malformed(f"{len(payload)} payload bytes; the header's {sum(counts)} blocks "
+                       f"need {24 * sum(counts)} (three int64 columns)")
+        columns = iter(counts)
+        offset = 0
 
-        def job(value: object, what: str, is_load: bool) -> TransferJob:
-            if not isinstance(value, dict) or set(value) != _JOB_KEYS:
-                _malformed(f"{what} is {value!r}; expected keys {sorted(_JOB_KEYS)}")
-            blocks = value["blocks"]
-            if not isinstance(blocks, list) or not all(
-                isinstance(b, list) and len(b) == 3 for b in blocks
-            ):
-                _malformed(f"{what}.blocks is {blocks!r}; expected [[block, slot, key], ...]")
-            return TransferJob(value["request_id"], tuple(tuple(b) for b in blocks), is_load)
+        def job(value: dict[str, Any], is_load: bool) -> TransferJob:
+            nonlocal offset
+            n = next(columns)
+            values = _from_int64s(payload[offset:offset + 24 * n])
+            offset += 24 * n
+            return TransferJob._build(value["request_id"], values[:n], values[n:2 * n],
+                                      values[2 * n:], is_load, typed=True)
 
         try:
             return cls(
-                loads=tuple(job(v, f"loads[{i}]", True) for i, v in enumerate(obj["loads"])),
-                stores=tuple(
-                    job(v, f"stores[{i}]", False) for i, v in enumerate(obj["stores"])
-                ),
+                loads=tuple(job(v, True) for v in obj["loads"]),
+                stores=tuple(job(v, False) for v in obj["stores"]),
                 aborted_loads=tuple(obj["aborted_loads"]),
             )
         except MalformedMetadataError:
             raise
         except InvalidArgumentError as e:
             _malformed(e.message)
-
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -335,12 +427,13 @@ def _check_count(name: str, value: object) -> int:
 
 
 @attrs.frozen
-class _StoreRecord:
-    """A store awaiting the aggregated ``finished_sending``: keys, slots, events."""
+class _Record:
+    """A load or store awaiting the aggregated report: the job and its blocks' keys."""
 
-    keys: tuple[str, ...]
-    slots: tuple[int, ...]
-    events: tuple[BlockStored, ...]
+    job: TransferJob
+    keys: tuple[bytes, ...]
+    positions: tuple[int, ...] = ()  # stores: the blocks' positions in the request
+    request: RequestView | None = None  # stores: for the BlockStored events
 
 
 class OffloadScheduler(SchedulerConnector):
@@ -351,10 +444,15 @@ class OffloadScheduler(SchedulerConnector):
     ``(n, n > 0)``; no side effect. Loads are planned in ``update_state_after_alloc`` and
     pin their slots until the aggregated ``finished_recving`` (SCH-009, SCH-010). Stores are
     planned in ``request_finished`` for the full computed blocks not stored or being stored,
-    into free slots or slots freed by evicting unpinned blocks; the free is delayed until
-    the aggregated ``finished_sending`` (SCH-016), when the blocks become stored and
-    ``BlockStored`` events are queued (EVT-004, EVT-005). Evictions and failed loads queue
-    ``BlockRemoved``.
+    into free slots (the lowest first, so a job's slots are usually consecutive) or slots
+    freed by evicting unpinned blocks; the free is delayed until the aggregated
+    ``finished_sending`` (SCH-016), when the blocks become stored and ``BlockStored``
+    events are queued (EVT-004, EVT-005). Evictions and failed loads queue ``BlockRemoved``.
+
+    Each store job carries a fresh tag that the workers record per slot; a load carries the
+    tag it expects, so a slot whose content changed fails instead of loading wrong bytes.
+    Per-block work is a handful of C-level container operations: planning a 256-block
+    store or load costs tens of microseconds (``kvspec bench offload`` measures it).
     """
 
     def __init__(self, config: EngineConfigView) -> None:
@@ -363,19 +461,22 @@ class OffloadScheduler(SchedulerConnector):
         self._block_size = config.block_size
         self._capacity = self._settings.offload_slots
         self._policy: EvictionPolicy = make_policy(self._settings.eviction, self._capacity)
-        self._index: dict[str, int] = {}  # stored on every rank: key -> slot
-        self._free: list[int] = list(range(self._capacity - 1, -1, -1))
-        self._pins: Counter[int] = Counter()  # slot -> in-flight loads reading it
+        self._index: dict[bytes, int] = {}  # stored on every rank: key -> slot
+        self._slot_tag: list[int] = [0] * self._capacity  # tag of each slot's store
+        self._next_tag = 1
+        self._free: list[int] = list(range(self._capacity - 1, -1, -1))  # descending
+        self._free_sorted = True
+        self._pinning: dict[str, tuple[int, ...]] = {}  # in-flight load -> slots it reads
         self._zombies: set[int] = set()  # dropped while pinned: freed when unpinned
-        self._storing: set[str] = set()
+        self._storing: set[bytes] = set()
         self._known: set[str] = set()
         self._asked: dict[str, int] = {}
-        self._loading: dict[str, TransferJob] = {}
-        self._saving: dict[str, _StoreRecord] = {}
+        self._loading: dict[str, _Record] = {}
+        self._saving: dict[str, _Record] = {}
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
         self._pending_aborts: list[str] = []
-        self._events: list[KVCacheEvent] = []
+        self._events: list[KVCacheEvent | _Record] = []  # stores: events built on take
         self._counters: Counter[str] = Counter()
 
     # -- introspection ----------------------------------------------------------------------
@@ -390,7 +491,7 @@ class OffloadScheduler(SchedulerConnector):
                      "load_failures"):
             out.setdefault(name, 0)
         out["resident_blocks"] = len(self._index)
-        out["pinned_slots"] = sum(1 for v in self._pins.values() if v > 0)
+        out["pinned_slots"] = len(self._pinned_slots())
         out["capacity_slots"] = self._capacity
         return out
 
@@ -399,25 +500,22 @@ class OffloadScheduler(SchedulerConnector):
         """The eviction policy (for tests and benchmarks; do not mutate)."""
         return self._policy
 
-    def slot_of(self, key: str) -> int | None:
-        """The slot holding stored block ``key``, or None."""
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot holding stored block ``key`` (a block hash), or None."""
         return self._index.get(key)
 
     # -- matching ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _keys(request: RequestView) -> tuple[str, ...]:
-        return tuple(h.hex() for h in request.block_hashes)
 
     def _match(self, request: RequestView, num_computed_tokens: int) -> int:
         bs = self._block_size
         if num_computed_tokens % bs:
             return 0
-        keys = self._keys(request)
+        keys = request.block_hashes
         start = num_computed_tokens // bs
         end = min(len(keys), (request.num_prompt_tokens - 1) // bs)
+        index = self._index
         stop = start
-        while stop < end and keys[stop] in self._index:
+        while stop < end and keys[stop] in index:
             stop += 1
         return max(0, stop - start) * bs
 
@@ -479,84 +577,104 @@ class OffloadScheduler(SchedulerConnector):
                 f"request {rid!r} already has a load in flight", clause="SCH-009"
             )
         first, last = start // bs, (start + num_external_tokens) // bs
-        keys = self._keys(request)
+        all_keys = request.block_hashes
         ids = blocks.block_ids(0)
-        if last > len(keys) or last > len(ids):
+        if last > len(all_keys) or last > len(ids):
             raise InvalidArgumentError(
                 f"request {rid!r}: external blocks [{first}, {last}) exceed its "
-                f"{len(keys)} full blocks or its {len(ids)} allocated blocks", clause="SCH-010",
+                f"{len(all_keys)} full blocks or its {len(ids)} allocated blocks",
+                clause="SCH-010",
             )
-        triples = []
-        for i in range(first, last):
-            slot = self._index.get(keys[i], -1)
-            if slot >= 0:
-                self._pins[slot] += 1
-                self._policy.touch(keys[i])
-                self._counters["hit_blocks"] += 1
-            triples.append((ids[i], slot, keys[i]))
-        job = TransferJob(rid, tuple(triples), True)
+        keys = tuple(all_keys[first:last])
+        get = self._index.get
+        slots = tuple([get(k, -1) for k in keys])
+        tag = self._slot_tag
+        tags = tuple([tag[s] if s >= 0 else 0 for s in slots])
+        hits = [s for s in slots if s >= 0]
+        self._policy.touch_many(keys)  # absent keys are ignored
+        self._counters["hit_blocks"] += len(hits)
+        job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None)
         self._pending_loads.append(job)
-        self._loading[rid] = job
+        self._loading[rid] = _Record(job, keys)
+        if hits:
+            self._pinning[rid] = tuple(hits)
         self._asked.pop(rid, None)
 
     # -- placement --------------------------------------------------------------------------
 
-    def _is_pinned(self, key: str) -> bool:
-        slot = self._index.get(key)
-        return slot is not None and self._pins[slot] > 0
+    def _pinned_slots(self) -> set[int]:
+        """Slots read by in-flight loads (computed when needed: pinning and unpinning a
+        load are then one dict operation each, whatever its size)."""
+        return set().union(*self._pinning.values())
 
-    def _drop(self, key: str, *, evicted: bool) -> None:
+    def _release_slot(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free_sorted = False
+
+    def _drop(self, key: bytes, *, evicted: bool) -> None:
         """Forget stored ``key``: free its slot now, or when its last load ends."""
         slot = self._index.pop(key)
         if not evicted:
             self._policy.remove(key)
-        if self._pins[slot] > 0:
+        if slot in self._pinned_slots():
             self._zombies.add(slot)
         else:
-            self._free.append(slot)
+            self._release_slot(slot)
 
-    def _take_slot(self, key: str, removed: list[bytes]) -> int | None:
-        """A free slot for ``key``, evicting an unpinned stored block if needed."""
-        if not self._free:
-            victim = self._policy.evict(self._is_pinned, incoming=key)
+    def _take_slots(self, n: int, keys: Sequence[bytes], removed: list[bytes]) -> list[int]:
+        """Up to ``n`` slots, the lowest free ones first (ascending), then slots freed by
+        evicting unpinned stored blocks."""
+        free = self._free
+        if not self._free_sorted:
+            free.sort(reverse=True)
+            self._free_sorted = True
+        take = min(n, len(free))
+        slots = free[len(free) - take:]
+        del free[len(free) - take:]
+        slots.reverse()
+        while len(slots) < n:
+            pinned = self._pinned_slots()
+            index = self._index
+            victim = self._policy.evict(lambda k: index.get(k) in pinned,
+                                        incoming=keys[len(slots)])
             if victim is None:
-                return None
+                break
             self._drop(victim, evicted=True)
             self._counters["evictions"] += 1
-            removed.append(bytes.fromhex(victim))
-        return self._free.pop() if self._free else None
+            removed.append(victim)
+            if free:
+                slots.append(free.pop())
+        return slots
 
-    def _unpin(self, slot: int) -> None:
-        if slot < 0:
-            return
-        self._pins[slot] -= 1
-        if self._pins[slot] <= 0:
-            del self._pins[slot]
-            if slot in self._zombies:
+    def _unpin(self, rid: str) -> None:
+        """End ``rid``'s pins; free the slots dropped while pinned that nothing pins now."""
+        self._pinning.pop(rid, None)
+        if self._zombies:
+            for slot in self._zombies - self._pinned_slots():
                 self._zombies.discard(slot)
-                self._free.append(slot)
+                self._release_slot(slot)
 
     # -- finishing --------------------------------------------------------------------------
 
-    def _stored_events(
-        self, request: RequestView, keys: tuple[str, ...], positions: Sequence[int]
-    ) -> tuple[BlockStored, ...]:
+    def _stored_events(self, record: _Record) -> tuple[BlockStored, ...]:
         """One BlockStored per run of consecutive stored positions (EVT-005)."""
+        request = record.request
+        assert request is not None
         bs = self._block_size
         tokens = request.all_token_ids
-        runs: list[list[int]] = []
-        for i in positions:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
+        hashes = request.block_hashes
+        runs: list[tuple[int, int]] = []
+        for i in record.positions:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
             else:
-                runs.append([i])
+                runs.append((i, i + 1))
         events = []
-        for run in runs:
-            first, last = run[0], run[-1] + 1
+        for first, last in runs:
             try:
                 events.append(BlockStored(
-                    block_hashes=[bytes.fromhex(keys[i]) for i in run],
-                    parent_block_hash=bytes.fromhex(keys[first - 1]) if first else None,
+                    block_hashes=hashes[first:last],
+                    parent_block_hash=hashes[first - 1] if first else None,
                     token_ids=tokens[first * bs: last * bs], block_size=bs,
                     lora_id=request.lora_id, medium=MEDIUM,
                 ))
@@ -593,37 +711,39 @@ class OffloadScheduler(SchedulerConnector):
             self._pending_aborts.append(rid)
             return False, None
         block_ids = tuple(block_ids)
-        keys = self._keys(request)
+        keys = request.block_hashes
         full = min(len(keys), request.num_computed_tokens // self._block_size, len(block_ids))
-        positions: list[int] = []
-        slots: list[int] = []
+        index, storing = self._index, self._storing
+        positions = [i for i in range(full) if keys[i] not in index and keys[i] not in storing]
+        new_keys = [keys[i] for i in positions]
+        if len(set(new_keys)) != len(new_keys):  # a block repeated inside the request
+            seen: set[bytes] = set()
+            unique = []
+            for i in positions:
+                if keys[i] not in seen:
+                    seen.add(keys[i])
+                    unique.append(i)
+            positions = unique
+            new_keys = [keys[i] for i in positions]
         removed: list[bytes] = []
-        seen: set[str] = set()
-        for i in range(full):
-            key = keys[i]
-            if key in self._index or key in self._storing or key in seen:
-                continue
-            slot = self._take_slot(key, removed)
-            if slot is None:
-                self._counters["stores_skipped"] += full - i
-                break
-            seen.add(key)
-            positions.append(i)
-            slots.append(slot)
+        slots = self._take_slots(len(positions), new_keys, removed) if positions else []
         if removed:
             self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+        if len(slots) < len(positions):
+            self._counters["stores_skipped"] += len(positions) - len(slots)
+            del positions[len(slots):]
+            del new_keys[len(slots):]
         if not positions:
             return False, None
-        job = TransferJob(
-            rid, tuple((block_ids[i], s, keys[i]) for i, s in zip(positions, slots)), False
-        )
-        record = _StoreRecord(
-            tuple(keys[i] for i in positions), tuple(slots),
-            self._stored_events(request, keys, positions),
+        tag = self._next_tag
+        self._next_tag += 1
+        job = TransferJob._build(
+            rid, tuple([block_ids[i] for i in positions]), tuple(slots), (tag,) * len(slots),
+            False, typed=None,
         )
         self._pending_stores.append(job)
-        self._storing.update(record.keys)
-        self._saving[rid] = record
+        self._storing.update(new_keys)
+        self._saving[rid] = _Record(job, tuple(new_keys), tuple(positions), request)
         self._counters["miss_blocks"] += len(positions)
         return True, None
 
@@ -671,37 +791,50 @@ class OffloadScheduler(SchedulerConnector):
             )
         removed: list[bytes] = []
         for rid in sorted(output.finished_recving):
-            job = self._loading.pop(rid)
+            record = self._loading.pop(rid)
+            job = record.job
             if rid in output.failed_recving:
-                named = [t for t in job.blocks if t[0] in output.invalid_block_ids]
-                for _, slot, key in named or job.blocks:
+                invalid = output.invalid_block_ids
+                named = [i for i, b in enumerate(job.block_ids) if b in invalid]
+                for i in named or range(len(job)):
                     self._counters["load_failures"] += 1
+                    key, slot = record.keys[i], job.slots[i]
                     if slot >= 0 and self._index.get(key) == slot:
                         self._drop(key, evicted=False)
-                        removed.append(bytes.fromhex(key))
-            for _, slot, _ in job.blocks:
-                self._unpin(slot)
+                        removed.append(key)
+            self._unpin(rid)
         if removed:
             self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+        insert_many = self._policy.insert_many
         for rid in sorted(output.finished_sending):
             record = self._saving.pop(rid)
-            for key, slot in zip(record.keys, record.slots):
-                self._storing.discard(key)
-                self._index[key] = slot
-                self._policy.insert(key)
-            self._events.extend(record.events)
+            job = record.job
+            self._storing.difference_update(record.keys)
+            tag = job.tags[0]
+            self._index.update(zip(record.keys, job.slots))
+            slot_tag = self._slot_tag
+            for slot in job.slots:
+                slot_tag[slot] = tag
+            insert_many(record.keys)
+            self._events.append(record)  # its BlockStored events, built by take_events
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the ``BlockStored`` / ``BlockRemoved`` events since the last call, once
         each (EVT-004)."""
-        events, self._events = tuple(self._events), []
-        return events
+        pending, self._events = self._events, []
+        events: list[KVCacheEvent] = []
+        for item in pending:
+            if isinstance(item, _Record):
+                events.extend(self._stored_events(item))
+            else:
+                events.append(item)
+        return tuple(events)
 
     def shutdown(self) -> None:
         """Forget every request, pending job and stored block; idempotent (SCH-027)."""
         for state in (
             self._known, self._asked, self._loading, self._saving, self._storing,
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
-            self._index, self._pins, self._zombies,
+            self._index, self._pinning, self._zombies,
         ):
             state.clear()

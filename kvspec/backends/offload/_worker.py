@@ -4,8 +4,8 @@ One background thread per worker (a ``ThreadPoolExecutor`` of one) runs the step
 and loads in submission order, each as one vectorised gather/scatter
 (:class:`~kvspec.backends.offload._pool.HostPool`). Stores read the engine's blocks in the
 background: the engine holds them by a delayed free until ``finished_sending`` (SCH-016), so
-``wait_for_save`` returns at once (WRK-007). Each slot remembers the key of its last
-successful store; a load whose slot holds another key (evicted, overwritten, a failed
+``wait_for_save`` returns at once (WRK-007). Each slot remembers the tag of its last
+successful store; a load whose slot holds another tag (evicted, overwritten, a failed
 store) or an injected fault fails its blocks: the request is reported in
 ``finished_recving`` and ``failed_recving`` with those block ids invalid (WRK-011).
 """
@@ -34,7 +34,7 @@ from kvspec.protocols import (
     WorkerConnector,
 )
 
-from ._pool import HostPool
+from ._pool import CopyPlan, HostPool
 from ._scheduler import OffloadMetadata, OffloadSettings, TransferJob
 
 __all__ = ["OffloadWorker"]
@@ -46,10 +46,11 @@ _LOCK_TIMEOUT_S = 5.0
 class _Job:
     """One request's load or store on this rank, as the worker tracks it."""
 
-    __slots__ = ("job", "deadline", "cancelled", "lock", "future")
+    __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future")
 
-    def __init__(self, job: TransferJob, timeout_s: float) -> None:
+    def __init__(self, job: TransferJob, plan: CopyPlan | None, timeout_s: float) -> None:
         self.job = job
+        self.plan = plan
         self.deadline = time.monotonic() + timeout_s
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
@@ -76,7 +77,7 @@ class OffloadWorker(WorkerConnector):
         self._layout: KVCacheLayout | None = None
         self.pool: HostPool | None = None
         """The host pool, once ``register_kv_caches`` ran."""
-        self._slot_keys: list[str | None] = []
+        self._slot_tags: list[int] = []  # the tag of each slot's last completed store
         self._stream: torch.cuda.Stream | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = threading.Event()
@@ -119,7 +120,7 @@ class OffloadWorker(WorkerConnector):
         layout.check_layer_tensors(tensors)  # one buffer at the stated offsets (LAY-008)
         s = self._settings
         self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes)
-        self._slot_keys = [None] * s.offload_slots
+        self._slot_tags = [-1] * s.offload_slots
         if tensors[0].is_cuda:
             self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
         self._layout = layout
@@ -168,22 +169,42 @@ class OffloadWorker(WorkerConnector):
                 "the metadata names transfers but no KV caches are registered (or the worker "
                 "is shut down)", clause="WRK-001",
             )
+        pool = self.pool
+        assert pool is not None
+        plans = []
         for job in (*meta.loads, *meta.stores):
-            layout.block_region_offsets(job.block_ids)  # range check (LAY-012)
             if job.request_id in (self._loads if job.is_load else self._stores):
                 raise InvalidArgumentError(
                     f"request {job.request_id!r} already has a transfer of this direction in "
                     "flight", clause="SCH-013",
                 )
+            plans.append(self._plan(pool, job))  # range checks (LAY-012) happen here
         event = None
         if self._stream is not None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()  # the forward's KV writes so far
         timeout = self._settings.io_timeout_s
-        for job in (*meta.loads, *meta.stores):
-            j = _Job(job, timeout)
+        for job, plan in zip((*meta.loads, *meta.stores), plans):
+            j = _Job(job, plan, timeout)
             j.future = executor.submit(self._run, j, event)
             (self._loads if job.is_load else self._stores)[job.request_id] = j
+
+    @staticmethod
+    def _plan(pool: HostPool, job: TransferJob) -> CopyPlan | None:
+        """Check and plan ``job``'s copy: every block of a store; a load's blocks that have
+        a slot (a slot of -1 was evicted: that block fails). None when nothing moves.
+
+        Raises:
+            InvalidBlockIdError: a block id outside the budget (LAY-012).
+            OffloadCapacityError: a slot outside the pool (ERR-002).
+        """
+        if job.is_load and min(job.slots) < 0:
+            pool.plan(job.block_ids, [0] * len(job))  # still range-check every block id
+            keep = [i for i, s in enumerate(job.slots) if s >= 0]
+            if not keep:
+                return None
+            return pool.plan([job.block_ids[i] for i in keep], [job.slots[i] for i in keep])
+        return pool.plan(job.block_ids, job.slots)
 
     # -- transfers (background thread) ------------------------------------------------------
 
@@ -206,17 +227,18 @@ class OffloadWorker(WorkerConnector):
             if self._closing.is_set() or j.cancelled.is_set():
                 return job.block_ids
             if job.is_load:
-                return self._load(pool, job, event)
-            return self._store(pool, job, event)
+                return self._load(pool, job, j.plan, event)
+            assert j.plan is not None
+            return self._store(pool, job, j.plan, event)
         except (KVSpecError, RuntimeError, ValueError) as e:
             _log.warning("rank %d: %s of request %s failed: %s", self._rank,
                          "load" if job.is_load else "store", job.request_id, e)
             if not job.is_load:
-                for _, slot, _ in job.blocks:
-                    self._slot_keys[slot] = None
-                self._count(store_failures=len(job.blocks))
+                for slot in job.slots:
+                    self._slot_tags[slot] = -1
+                self._count(store_failures=len(job))
             else:
-                self._count(load_failures=len(job.blocks))
+                self._count(load_failures=len(job))
             return job.block_ids
         finally:
             j.lock.release()
@@ -227,44 +249,48 @@ class OffloadWorker(WorkerConnector):
             stream.wait_event(event)
         return stream
 
-    def _store(self, pool: HostPool, job: TransferJob, event: torch.cuda.Event | None) -> tuple[int, ...]:
-        slots = [s for _, s, _ in job.blocks]
-        for s in slots:
-            self._slot_keys[s] = None  # invalid until the copy completes
+    def _copy(self, pool: HostPool, plan: CopyPlan, store: bool,
+              event: torch.cuda.Event | None) -> None:
         stream = self._on_stream(event)
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                pool.store(job.block_ids, slots)
-            stream.synchronize()
-        else:
-            pool.store(job.block_ids, slots)
-        for _, s, key in job.blocks:
-            self._slot_keys[s] = key
-        n = len(slots)
+        if stream is None:
+            pool.store(plan) if store else pool.load(plan)
+            return
+        with torch.cuda.stream(stream):
+            pool.store(plan) if store else pool.load(plan)
+        stream.synchronize()  # complete before reported
+
+    def _store(self, pool: HostPool, job: TransferJob, plan: CopyPlan,
+               event: torch.cuda.Event | None) -> tuple[int, ...]:
+        tags = self._slot_tags
+        for s in job.slots:
+            tags[s] = -1  # invalid until the copy completes
+        self._copy(pool, plan, True, event)
+        for s, t in zip(job.slots, job.tags):
+            tags[s] = t
+        n = len(job)
         self._count(blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
         return ()
 
-    def _load(self, pool: HostPool, job: TransferJob, event: torch.cuda.Event | None) -> tuple[int, ...]:
+    def _load(self, pool: HostPool, job: TransferJob, plan: CopyPlan | None,
+              event: torch.cuda.Event | None) -> tuple[int, ...]:
+        tags = self._slot_tags
         rate = self._settings.load_fault_rate
-        good: list[tuple[int, int]] = []
-        failed: list[int] = []
-        for block, slot, key in job.blocks:
-            if slot < 0 or slot >= len(self._slot_keys) or self._slot_keys[slot] != key or (
-                rate and self._rng.random() < rate
-            ):
-                failed.append(block)
-            else:
-                good.append((block, slot))
-        if good:
-            ids, slots = [b for b, _ in good], [s for _, s in good]
-            stream = self._on_stream(event)
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    pool.load(slots, ids)
-                stream.synchronize()  # complete before reported
-            else:
-                pool.load(slots, ids)
-        self._count(blocks_loaded=len(good), bytes_loaded=len(good) * pool.bytes_per_block,
+        slots = job.slots
+        if min(slots) >= 0 and not rate and list(map(tags.__getitem__, slots)) == list(job.tags):
+            failed: list[int] = []  # the common case: every slot holds what the job expects
+        else:
+            failed = [
+                b for b, s, t in zip(job.block_ids, slots, job.tags)
+                if s < 0 or tags[s] != t or (rate and self._rng.random() < rate)
+            ]
+            if failed and plan is not None:
+                bad = set(failed)
+                keep = [(b, s) for b, s in zip(job.block_ids, slots) if b not in bad]
+                plan = pool.plan([b for b, _ in keep], [s for _, s in keep]) if keep else None
+        if plan is not None:
+            self._copy(pool, plan, False, event)
+        good = len(job) - len(failed)
+        self._count(blocks_loaded=good, bytes_loaded=good * pool.bytes_per_block,
                     load_failures=len(failed))
         return tuple(failed)
 
@@ -382,6 +408,6 @@ class OffloadWorker(WorkerConnector):
         if self.pool is not None:
             self.pool.release()
         self.pool = None
-        self._slot_keys = []
+        self._slot_tags = []
         self._stream = None
         self._slot.clear()
