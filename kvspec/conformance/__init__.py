@@ -80,6 +80,7 @@ DEFAULT_CONNECTORS: tuple[str, ...] = (
     "kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
     "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
     "kvspec.backends.offload:OffloadConnector",
+    "kvspec.backends.offload:LayerwiseOffloadConnector",
 )
 """The connectors ``kvspec conform`` certifies when given none: the project's own."""
 

@@ -33,6 +33,8 @@ from kvspec.protocols import (
     BlockRemoved,
     BlockStored,
     EngineConfigView,
+    ForwardContextView,
+    ForwardKind,
     InvalidArgumentError,
     InvalidBlockIdError,
     KVCacheLayout,
@@ -546,3 +548,89 @@ def test_pool_plan_checks_ids_slots_and_lengths() -> None:
         pool.plan([1], [4])
     with pytest.raises(OffloadCapacityError):
         pool.plan([1, 2], [0])
+
+
+# ------------------------------------------------------------------ per-layer store path
+
+
+def _layerwise_worker(
+    order: StrideOrder, packing: KVPacking, **extra: Any
+) -> tuple[OffloadWorker, KVCacheLayout, dict[str, torch.Tensor]]:
+    layout = KVCacheLayout.contiguous(order, packing, torch.float16, 3, 10, BS, 2, 4,
+                                      block_capacity=12, page_padding_elems=1)
+    _, layers = _layers(layout)
+    kv = {f"l{i}": t for i, t in enumerate(layers)}
+    worker = OffloadWorker(_config(offload_slots=4, **extra), 0, store_path="layerwise")
+    worker.register_kv_caches(kv, layout)
+    return worker, layout, kv
+
+
+def _forward(worker: OffloadWorker, kv: dict[str, torch.Tensor], meta: OffloadMetadata,
+             *, hooks: bool = True) -> None:
+    ctx = ForwardContextView(ForwardKind.REAL, 0, 4, tuple(kv))
+    worker.bind_connector_metadata(OffloadMetadata.decode(meta.encode()))
+    worker.start_load_kv(ctx)
+    if hooks:
+        for name, tensor in kv.items():
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, tensor, ctx)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+@pytest.mark.parametrize(("order", "packing"), list(itertools.product(StrideOrder, KVPacking)))
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "no-forward"])
+def test_layerwise_store_path_is_byte_exact(
+    order: StrideOrder, packing: KVPacking, hooks: bool
+) -> None:
+    """Stores gathered by the save hooks into the staging (or, in a step whose forward never
+    ran its hooks, by the background thread) load back byte for byte, on every layout."""
+    worker, layout, kv = _layerwise_worker(order, packing, offload_stage_blocks=2)
+    layers = list(kv.values())
+    try:
+        src = {b: _block_bytes(layout, layers, b) for b in (2, 7, 9)}
+        # Three blocks through a stage of two: the third waits for the next forward.
+        store = OffloadMetadata(stores=(TransferJob.of("s", ((2, 3, 1), (7, 0, 1), (9, 1, 1)),
+                                                       False),))
+        _forward(worker, kv, store, hooks=hooks)
+        if hooks:
+            assert worker.get_finished(frozenset()) == (frozenset(), frozenset())
+            _forward(worker, kv, OffloadMetadata())
+        _wait_finished(worker, "s", recv=False)
+        load = OffloadMetadata(loads=(TransferJob.of("l", ((5, 3, 1), (0, 0, 1), (4, 1, 1)),
+                                                     True),))
+        _run(worker, load)
+        _wait_finished(worker, "l", recv=True)
+        assert worker.get_failed_recving() == frozenset()
+        assert [_block_bytes(layout, layers, b) for b in (5, 0, 4)] == [src[2], src[7], src[9]]
+    finally:
+        worker.shutdown()
+
+
+def test_layerwise_dummy_forwards_store_nothing_and_buffers_persist() -> None:
+    worker, layout, kv = _layerwise_worker(StrideOrder.BLNHC, KVPacking.CONCAT)
+    try:
+        buffers = dict(worker.persistent_buffers)
+        assert set(buffers) == {"save_idx", "staging", "saved"}
+        ctx = ForwardContextView(ForwardKind.WARMUP, None, 4, tuple(kv))
+        meta = worker.build_dummy_connector_meta(ctx)
+        assert isinstance(meta, OffloadMetadata) and meta.is_empty
+        before = torch.cat([t.flatten() for t in kv.values()]).clone()
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(ctx)
+        for name, tensor in kv.items():
+            worker.save_kv_layer(name, tensor, ctx)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert torch.equal(torch.cat([t.flatten() for t in kv.values()]), before)
+        assert worker.get_kv_connector_stats() is None  # nothing stored
+        for name, tensor in worker.persistent_buffers.items():
+            assert tensor.data_ptr() == buffers[name].data_ptr()  # updated in place only
+        with pytest.raises(InvalidArgumentError):
+            worker.bind_connector_metadata(OffloadMetadata())
+            worker.save_kv_layer("nope", kv["l0"], ctx)
+    finally:
+        worker.shutdown()
+    assert OffloadWorker(_config(), 0).persistent_buffers == {}
+    with pytest.raises(InvalidArgumentError):
+        OffloadWorker(_config(), 0, store_path="sideways")

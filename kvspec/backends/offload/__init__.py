@@ -24,12 +24,13 @@ from ._eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from ._pool import HostPool, OffloadCapacityError
 from ._scheduler import MEDIUM, OffloadMetadata, OffloadScheduler, OffloadSettings, TransferJob
 from ._worker import OffloadWorker
-from .connector import OffloadConnector
+from .connector import LayerwiseOffloadConnector, OffloadConnector
 
 __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
     "HostPool",
+    "LayerwiseOffloadConnector",
     "LRUPolicy",
     "MEDIUM",
     "OffloadCapacityError",

@@ -102,6 +102,9 @@ class OffloadSettings:
         load_fault_rate: Probability in ``[0, 1]`` that a worker fails a loaded block
             (fault injection, WRK-011); ``extra["load_fault_rate"]``, default 0.
         fault_seed: Seed of the fault injection (plus the rank); ``extra["fault_seed"]``.
+        stage_blocks: Blocks one forward stores through the capturable per-layer store
+            path (``store_path="layerwise"``), the rest waiting for the next forward;
+            ``extra["offload_stage_blocks"]``, default 32. Sizes the device staging buffer.
     """
 
     offload_bytes: int = 64 << 20
@@ -111,6 +114,7 @@ class OffloadSettings:
     load_delay_s: float = 0.0
     load_fault_rate: float = 0.0
     fault_seed: int = 0
+    stage_blocks: int = 32
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> OffloadSettings:
@@ -144,6 +148,7 @@ class OffloadSettings:
             load_delay_s=_number(extra, "load_delay_s", 0.0, positive=False),
             load_fault_rate=_number(extra, "load_fault_rate", 0.0, positive=False, maximum=1.0),
             fault_seed=seed,
+            stage_blocks=_int(extra, "offload_stage_blocks", 32),
         )
 
 

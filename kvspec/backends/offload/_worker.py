@@ -12,12 +12,14 @@ store) or an injected fault fails its blocks: the request is reported in
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import random
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -35,6 +37,7 @@ from kvspec.protocols import (
 )
 
 from ._pool import CopyPlan, HostPool
+from ._stage import SaveStage
 from ._scheduler import OffloadMetadata, OffloadSettings, TransferJob
 
 __all__ = ["OffloadWorker"]
@@ -46,11 +49,12 @@ _LOCK_TIMEOUT_S = 5.0
 class _Job:
     """One request's load or store on this rank, as the worker tracks it."""
 
-    __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future")
+    __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future", "remaining")
 
     def __init__(self, job: TransferJob, plan: CopyPlan | None, timeout_s: float) -> None:
         self.job = job
         self.plan = plan
+        self.remaining = len(job)  # blocks of a queued layerwise store not yet in the pool
         self.deadline = time.monotonic() + timeout_s
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
@@ -64,8 +68,22 @@ class OffloadWorker(WorkerConnector):
         InvalidArgumentError: a bad rank or configuration (ERR-002).
     """
 
-    def __init__(self, config: EngineConfigView, rank: int) -> None:
+    def __init__(
+        self, config: EngineConfigView, rank: int, *, store_path: str = "background"
+    ) -> None:
         self._settings = OffloadSettings.from_config(config)
+        if store_path not in ("background", "layerwise"):
+            raise InvalidArgumentError(
+                f"store_path is {store_path!r}; expected 'background' or 'layerwise'",
+                clause="ERR-002",
+            )
+        self.store_path = store_path
+        """``"background"``: stores gathered by the background thread; ``"layerwise"``:
+        gathered by capturable ``save_kv_layer`` hooks into a staging buffer
+        (:mod:`kvspec.backends.offload._stage`)."""
+        self._stage: SaveStage | None = None
+        self._save_queue: collections.deque[list[Any]] = collections.deque()  # [_Job, next]
+        self._staged: list[tuple[_Job, int, int]] = []  # this forward's (job, start, end)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < config.world_size:
             raise InvalidArgumentError(
                 f"rank must be an int in [0, {config.world_size}), got {rank!r}",
@@ -121,6 +139,8 @@ class OffloadWorker(WorkerConnector):
         s = self._settings
         self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes)
         self._slot_tags = [-1] * s.offload_slots
+        if self.store_path == "layerwise":
+            self._stage = SaveStage(kv_caches, layout, self.pool, s.stage_blocks)
         if tensors[0].is_cuda:
             self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
         self._layout = layout
@@ -141,10 +161,42 @@ class OffloadWorker(WorkerConnector):
 
     def clear_connector_metadata(self) -> None:
         """Start the bound metadata's transfers if ``start_load_kv`` did not (a step without
-        a forward), then forget the metadata (WRK-003)."""
+        a forward), then forget the metadata (WRK-003). With ``store_path="layerwise"``, a
+        step without a forward hands the queued store blocks to the background thread."""
         if self._slot.is_bound and not self._started:
             self._start(self._slot.get("clear_connector_metadata"))
+            self._flush_queue()
+        if self._stage is not None and self._stage.pending:  # wait_for_save never came
+            self._stage.cancel()
+            staged, self._staged = self._staged, []
+            self._to_background(staged)
+            self._flush_queue()
         self._slot.clear()
+
+    def _flush_queue(self) -> None:
+        if self._stage is None:
+            return
+        parts = [(j, start, len(j.job)) for j, start in self._save_queue]
+        self._save_queue.clear()
+        self._to_background(parts)
+
+    def _store_range(self, j: _Job, start: int, end: int) -> None:
+        """Background: store blocks ``start:end`` of a queued layerwise store job."""
+        pool, job = self.pool, j.job
+        if j.future is None or j.future.done():
+            return
+        if pool is None or self._closing.is_set() or j.cancelled.is_set():
+            self._fail_store(j)
+            return
+        try:
+            plan = pool.plan(job.block_ids[start:end], job.slots[start:end])
+            self._copy(pool, plan, True, None)
+        except (KVSpecError, RuntimeError, ValueError) as e:
+            _log.warning("rank %d: store of request %s failed: %s", self._rank,
+                         job.request_id, e)
+            self._fail_store(j)
+            return
+        self._stored(j, start, end)
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
         """Submit the bound metadata's loads, then its stores, to the background thread
@@ -156,8 +208,76 @@ class OffloadWorker(WorkerConnector):
         """
         meta = self._slot.get("start_load_kv")
         if isinstance(forward_context, ForwardContextView) and forward_context.kind.is_dummy:
+            if self._stage is not None:
+                self._stage.fill((), ())  # the hooks run and store nothing (DRY-006)
             return
         self._start(meta)
+        if self._stage is not None:
+            self._fill_stage(self._stage)
+
+    def _fill_stage(self, stage: SaveStage) -> None:
+        """Point the stage at the next queued store blocks, at most ``stage_blocks``."""
+        ids: list[int] = []
+        slots: list[int] = []
+        self._staged = []
+        while self._save_queue and len(ids) < stage.size:
+            entry = self._save_queue[0]
+            j, start = entry
+            job: TransferJob = j.job
+            if j.cancelled.is_set() or (j.future is not None and j.future.done()):
+                self._save_queue.popleft()
+                continue
+            end = min(len(job), start + stage.size - len(ids))
+            ids.extend(job.block_ids[start:end])
+            slots.extend(job.slots[start:end])
+            self._staged.append((j, start, end))
+            if end == len(job):
+                self._save_queue.popleft()
+            else:
+                entry[1] = end
+        stage.fill(tuple(ids), tuple(slots))
+
+    def build_dummy_connector_meta(self, forward_context: ForwardContextView) -> ConnectorMetadata:
+        """Empty metadata for a dummy forward, built here (DRY-005..007); bound, the hooks
+        run the same device work on the same persistent buffers and store nothing.
+
+        Raises:
+            UnsupportedOperationError: ``store_path="background"`` (no hooks to capture).
+        """
+        if self.store_path != "layerwise":
+            return super().build_dummy_connector_meta(forward_context)
+        if not isinstance(forward_context, ForwardContextView):
+            raise InvalidArgumentError(
+                f"forward_context must be a ForwardContextView, got "
+                f"{type(forward_context).__name__}", clause="ERR-002",
+            )
+        return OffloadMetadata()
+
+    @property
+    def persistent_buffers(self) -> Mapping[str, torch.Tensor]:
+        """The buffers the captured hooks use (GRA-005): ``save_idx`` and ``staging`` with
+        ``store_path="layerwise"`` once registered; else empty."""
+        return {} if self._stage is None else self._stage.buffers
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads complete before their requests are scheduled (they
+        are asynchronous, WRK-005). Capturable: no device work at all."""
+        self._slot.get("wait_for_layer_load")
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, forward_context: ForwardContextView
+    ) -> None:
+        """``store_path="layerwise"``: gather the staged store blocks of ``layer_name``
+        into the persistent staging, capturable (WRK-006, GRA-004, GRA-005). Otherwise
+        nothing: stores are gathered by the background thread.
+
+        Raises:
+            MetadataNotBoundError: no metadata is bound (DRY-001).
+            InvalidArgumentError: an unregistered layer or a mis-shaped ``kv_layer``.
+        """
+        self._slot.get("save_kv_layer")
+        if self._stage is not None:
+            self._stage.save_layer(layer_name, kv_layer)
 
     def _start(self, meta: OffloadMetadata) -> None:
         self._started = True
@@ -186,7 +306,13 @@ class OffloadWorker(WorkerConnector):
         timeout = self._settings.io_timeout_s
         for job, plan in zip((*meta.loads, *meta.stores), plans):
             j = _Job(job, plan, timeout)
-            j.future = executor.submit(self._run, j, event)
+            if self._stage is not None and not job.is_load:  # gathered by the hooks
+                for slot in job.slots:
+                    self._slot_tags[slot] = -1  # invalid until stored
+                j.future = concurrent.futures.Future()
+                self._save_queue.append([j, 0])
+            else:
+                j.future = executor.submit(self._run, j, event)
             (self._loads if job.is_load else self._stores)[job.request_id] = j
 
     @staticmethod
@@ -366,9 +492,61 @@ class OffloadWorker(WorkerConnector):
         return ConnectorStats(counters) if any(counters.values()) else None
 
     def wait_for_save(self) -> None:
-        """Return at once: stored blocks are held by a delayed free until reported, so no
-        block the next step may overwrite is read (WRK-007)."""
-        return None
+        """``store_path="background"``: return at once; stored blocks are held by a delayed
+        free until reported, so no block the next step may overwrite is read (WRK-007).
+        ``"layerwise"``: copy the blocks the forward staged into their pool slots (complete
+        on return), and complete the store jobs whose blocks are all in the pool."""
+        stage = self._stage
+        if stage is None or not stage.pending:
+            return
+        staged, self._staged = self._staged, []
+        if not stage.complete:  # a step without a forward: the hooks never ran
+            stage.cancel()
+            self._to_background(staged)
+            self._flush_queue()  # no forward may come soon: the background stores the rest
+            return
+        try:
+            stage.drain()
+        except (KVSpecError, RuntimeError, ValueError) as e:
+            _log.warning("rank %d: staged store failed: %s", self._rank, e)
+            for j, _, _ in staged:
+                self._fail_store(j)
+            return
+        for j, start, end in staged:
+            self._stored(j, start, end)
+
+    def _stored(self, j: _Job, start: int, end: int) -> None:
+        """Blocks ``start:end`` of queued store ``j`` are in the pool: tag their slots, and
+        complete ``j`` once all of its blocks are (main or background thread)."""
+        job = j.job
+        tags = self._slot_tags
+        for s, t in zip(job.slots[start:end], job.tags[start:end]):
+            tags[s] = t
+        with self._stats_lock:
+            j.remaining -= end - start
+            done = j.remaining == 0
+        if done and j.future is not None and not j.future.done():
+            n = len(job)
+            self._count(blocks_stored=n, bytes_stored=n * self._stage_bytes())
+            j.future.set_result(())
+
+    def _stage_bytes(self) -> int:
+        return self.pool.bytes_per_block if self.pool is not None else 0
+
+    def _fail_store(self, j: _Job) -> None:
+        for slot in j.job.slots:
+            self._slot_tags[slot] = -1
+        self._count(store_failures=len(j.job))
+        if j.future is not None and not j.future.done():
+            j.future.set_result(())  # reported sending; its slots stay invalid
+
+    def _to_background(self, parts: list[tuple[_Job, int, int]]) -> None:
+        executor = self._executor
+        for j, start, end in parts:
+            if executor is None or j.cancelled.is_set():
+                self._fail_store(j)
+            else:
+                executor.submit(self._store_range, j, start, end)
 
     def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
         """Wait, bounded by each transfer's deadline, for the transfers of preempted requests;
@@ -392,6 +570,11 @@ class OffloadWorker(WorkerConnector):
         self._closed = True
         self._closing.set()
         executor, self._executor = self._executor, None
+        for j, _ in self._save_queue:  # queued for the hooks: never started
+            if j.future is not None:
+                j.future.cancel()
+        self._save_queue.clear()
+        self._staged = []
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
             # A future cancelled before it started never counts as done for wait().
@@ -405,6 +588,9 @@ class OffloadWorker(WorkerConnector):
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._loads.clear()
         self._stores.clear()
+        if self._stage is not None:
+            self._stage.release()
+        self._stage = None
         if self.pool is not None:
             self.pool.release()
         self.pool = None

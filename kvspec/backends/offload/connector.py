@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import attrs
+
 from kvspec.protocols import (
     Capabilities,
     ConnectorFactory,
@@ -22,7 +24,7 @@ from kvspec.protocols import (
 from ._scheduler import OffloadScheduler
 from ._worker import OffloadWorker
 
-__all__ = ["OffloadConnector"]
+__all__ = ["LayerwiseOffloadConnector", "OffloadConnector"]
 
 
 class OffloadConnector(ConnectorFactory):
@@ -64,3 +66,26 @@ class OffloadConnector(ConnectorFactory):
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
         """Build the worker role of ``rank`` (:attr:`worker_class`)."""
         return self.worker_class(config, rank)
+
+
+class LayerwiseOffloadConnector(OffloadConnector):
+    """The offloading backend with the capturable per-layer store path (name
+    ``"offload-layerwise"``): stores are gathered inside the forward by ``save_kv_layer``
+    into a persistent device staging buffer, from a persistent index filled before the
+    forward, and copied into the host pool after it (:mod:`kvspec.backends.offload._stage`).
+    Declares ``CAPTURABLE`` hooks, so FULL graphs keep them (GRA-010); everything else as
+    :class:`OffloadConnector`."""
+
+    @property
+    def name(self) -> str:
+        """``"offload-layerwise"``."""
+        return "offload-layerwise"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """As :class:`OffloadConnector`, with ``CAPTURABLE`` per-layer hooks."""
+        return attrs.evolve(super().capabilities, layer_hooks=HookGraphMode.CAPTURABLE)
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """Build the worker role of ``rank`` with ``store_path="layerwise"``."""
+        return self.worker_class(config, rank, store_path="layerwise")
