@@ -388,6 +388,7 @@ def test_worker_store_load_round_trip_is_byte_exact(
         assert not bool((changed & ~allowed).any())
         stats = worker.get_kv_connector_stats()
         assert stats is not None and stats.counters["blocks_loaded"] == 3  # type: ignore[attr-defined]
+        assert stats.counters["load_copy_us"] >= 1  # type: ignore[attr-defined]
     finally:
         worker.shutdown()
 

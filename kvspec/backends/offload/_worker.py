@@ -377,13 +377,16 @@ class OffloadWorker(WorkerConnector):
 
     def _copy(self, pool: HostPool, plan: CopyPlan, store: bool,
               event: torch.cuda.Event | None) -> None:
+        start = time.perf_counter()
         stream = self._on_stream(event)
         if stream is None:
             pool.store(plan) if store else pool.load(plan)
-            return
-        with torch.cuda.stream(stream):
-            pool.store(plan) if store else pool.load(plan)
-        stream.synchronize()  # complete before reported
+        else:
+            with torch.cuda.stream(stream):
+                pool.store(plan) if store else pool.load(plan)
+            stream.synchronize()  # complete before reported
+        micros = int((time.perf_counter() - start) * 1e6)
+        self._count(**{"store_copy_us" if store else "load_copy_us": max(1, micros)})
 
     def _store(self, pool: HostPool, job: TransferJob, plan: CopyPlan,
                event: torch.cuda.Event | None) -> tuple[int, ...]:
@@ -486,7 +489,9 @@ class OffloadWorker(WorkerConnector):
 
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
         """``blocks_stored``, ``bytes_stored``, ``blocks_loaded``, ``bytes_loaded``,
-        ``load_failures`` and ``store_failures`` since the last call, or None (EVT-006)."""
+        ``load_failures``, ``store_failures`` and the copy times ``store_copy_us`` and
+        ``load_copy_us`` (background copies; the layerwise path's drain is not timed) since
+        the last call, or None (EVT-006)."""
         with self._stats_lock:
             counters, self._counters = self._counters, {}
         return ConnectorStats(counters) if any(counters.values()) else None
