@@ -81,6 +81,7 @@ DEFAULT_CONNECTORS: tuple[str, ...] = (
     "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
     "kvspec.backends.offload:OffloadConnector",
     "kvspec.backends.offload:LayerwiseOffloadConnector",
+    "kvspec.backends.nixl:NixlConnector",
 )
 """The connectors ``kvspec conform`` certifies when given none: the project's own."""
 

@@ -10,6 +10,7 @@ the clause IDs of docs/spec/. It imports nothing else of kvspec.
 
 from __future__ import annotations
 
+from ._version import SPEC_VERSION
 from .errors import (
     CapabilityError,
     CompatibilityError,
@@ -107,6 +108,7 @@ from .connector import (
 )
 
 __all__ = [
+    "SPEC_VERSION",
     "AllBlocksCleared",
     "AllocatedBlocks",
     "BlockHash",

@@ -635,3 +635,35 @@ def test_layerwise_dummy_forwards_store_nothing_and_buffers_persist() -> None:
     assert OffloadWorker(_config(), 0).persistent_buffers == {}
     with pytest.raises(InvalidArgumentError):
         OffloadWorker(_config(), 0, store_path="sideways")
+
+
+def test_matches_never_count_evicted_or_failed_blocks() -> None:
+    """SCH-006: the match covers only blocks the connector can deliver now. Blocks evicted
+    to make room, or dropped after a failed load, are not matched afterwards."""
+    sched = OffloadScheduler(_config(offload_slots=2))
+    a = _request("a", list(range(9)), computed=9)
+    sched.on_new_request(a)
+    sched.request_finished(a, (3, 4, 5))
+    _meta(sched)
+    _finish_store(sched, "a")
+    probe = _request("probe", list(range(9)))
+    sched.on_new_request(probe)
+    assert sched.get_num_new_matched_tokens(probe, 0) == (8, True)
+    b = _request("b", list(range(50, 59)), computed=9)
+    sched.on_new_request(b)
+    assert sched.request_finished(b, (6, 7, 8)) == (True, None)  # evicts both of a's blocks
+    assert sched.get_num_new_matched_tokens(probe, 0) == (0, False)
+    _meta(sched)
+    _finish_store(sched, "b")
+    c = _request("c", list(range(50, 59)))
+    sched.on_new_request(c)
+    sched.get_num_new_matched_tokens(c, 0)
+    sched.update_state_after_alloc(c, AllocatedBlocks.single((0, 1, 2)), 8)
+    _meta(sched)
+    sched.update_connector_output(KVConnectorOutput(
+        finished_recving=frozenset({"c"}), failed_recving=frozenset({"c"}),
+        invalid_block_ids=frozenset({0, 1}),
+    ))
+    again = _request("again", list(range(50, 59)))
+    sched.on_new_request(again)
+    assert sched.get_num_new_matched_tokens(again, 0) == (0, False)

@@ -256,6 +256,7 @@ def test_public_api_is_lazy_and_complete() -> None:
         "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
         "kvspec.backends.offload:OffloadConnector",
         "kvspec.backends.offload:LayerwiseOffloadConnector",
+        "kvspec.backends.nixl:NixlConnector",
     )
 
 

@@ -607,8 +607,11 @@ class Engine:
             raise AssertionError(f"harness bug: request_finished twice for {r.rid}")
         r.finished_called = True
         self._finished_ids.append(r.rid)
+        final = _S.ABORTED if r.aborted else _S.FINISHED
+        # The connector sees the request as finished or aborted, as an engine shows it then.
+        view = attrs.evolve(self._view(r), status=final)
         answer: object = self._timed("request_finished", self.scheduler.request_finished,
-                                     self._view(r), tuple(r.blocks))
+                                     view, tuple(r.blocks))
         if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
             self._violate("SCH-016", f"request_finished({r.rid!r}) returned {answer!r}",
                           "a tuple (bool, params or None)")
@@ -620,7 +623,6 @@ class Engine:
             self._violate("SCH-018", f"request_finished({r.rid!r}) returned params: {e.message}",
                           "None or a mapping of JSON-representable values")
         r.delay_send = delay
-        final = _S.ABORTED if r.aborted else _S.FINISHED
         if r.rid in self.remote:
             self._transition(r, final)  # blocks stay with the load until finished_recving (SCH-021)
             return

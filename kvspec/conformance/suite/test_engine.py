@@ -91,6 +91,22 @@ class TestEngine(ConformanceSuite):
                                             tmpdir=str(tmp_path))
         assert set(decode.finished) == {r.request_id for r in wl.requests}
 
+    @pytest.mark.kvspec_clause("SCH-018", "SCH-016", "LAY-001", "LAY-002", "LAY-003", "LAY-004",
+                               "LAY-009", "WRK-013")
+    def test_two_engines_every_accepted_layout(self, tmp_path: Path) -> None:
+        """Prefill to decode in every stride order and K/V packing the connector accepts,
+        with padded pages, and every other case over-allocated and not re-stridable
+        (kvcached, seed 003)."""
+        wl = Workload([RequestSpec("pd-layout", tuple(range(21)), max_new_tokens=2)],
+                      name="disaggregated layouts")
+        for i, (order, packing) in enumerate(layout_cases(self.capabilities)):
+            cfg = config_for(self.capabilities, order=order, packing=packing,
+                             page_padding=i % 3, extra_capacity=5 * (i % 2),
+                             restridable=i % 2 == 0, prefix_caching=False)
+            _, decode = run_disaggregated(self.factory, wl, prefill=cfg, decode=cfg,
+                                          tmpdir=str(tmp_path / str(i)))
+            assert decode.finished == ("pd-layout",)
+
     @pytest.mark.kvspec_clause("SCH-001", "SCH-005", "SCH-015", "SCH-020", "SCH-021", "SCH-022",
                                "SCH-023", "WRK-009", "WRK-013", "EXE-001")
     def test_random_workloads(self, kvspec_profile: str, tmp_path: Path) -> None:

@@ -1,0 +1,57 @@
+"""The reference NIXL backend for prefill/decode disaggregation:
+``kvspec.backends.nixl:NixlConnector`` (name ``"nixl"``).
+
+The connector's roles (:class:`NixlScheduler`, :class:`NixlWorker`, their
+:class:`NixlMetadata`, :class:`NixlSettings`) sit on the transport layer:
+:class:`NixlEndpoint` (one agent, one
+registered KV region, prepared descriptor lists, READs with notifications, deadlines),
+the plain-data handshake description :class:`PeerInfo` and the descriptor geometry
+:class:`BlockGeometry`. Importing it does not import ``nixl``; constructing an endpoint
+does (:class:`NixlUnavailableError` without it).
+"""
+
+from ._descriptors import (
+    BlockGeometry,
+    LayoutSummary,
+    MemKind,
+    PeerInfo,
+    RegionSlices,
+    check_compatible,
+)
+from ._scheduler import PARAMS_KIND, NixlLoad, NixlMetadata, NixlScheduler, NixlSettings
+from ._transport import (
+    EndpointClosedError,
+    NixlEndpoint,
+    NixlError,
+    NixlResources,
+    NixlTransfer,
+    NixlUnavailableError,
+    TransferState,
+    load_nixl,
+)
+from ._worker import NixlWorker
+from .connector import NixlConnector
+
+__all__ = [
+    "BlockGeometry",
+    "EndpointClosedError",
+    "LayoutSummary",
+    "MemKind",
+    "NixlConnector",
+    "NixlEndpoint",
+    "NixlError",
+    "NixlLoad",
+    "NixlMetadata",
+    "NixlResources",
+    "NixlScheduler",
+    "NixlSettings",
+    "NixlTransfer",
+    "NixlUnavailableError",
+    "NixlWorker",
+    "PARAMS_KIND",
+    "PeerInfo",
+    "RegionSlices",
+    "TransferState",
+    "check_compatible",
+    "load_nixl",
+]

@@ -1,0 +1,457 @@
+"""Settings, hand-off parameters, metadata and the scheduler role of the NIXL backend.
+
+Prefill/decode disaggregation, as vLLM's NIXL connector does it:
+
+* the **producer** (prefill) engine's ``request_finished`` returns ``kv_transfer_params``
+  naming its engine, the request's full prompt blocks and every rank's :class:`PeerInfo`
+  (from the workers' handshake metadata, HSK-002), and holds the blocks (delayed free,
+  SCH-016) until its workers report the request in ``finished_sending``: each rank does
+  once every consumer rank reading it sent its NIXL notification, or at ``free_timeout_s``;
+* the **consumer** (decode) engine's scheduler matches the handed-off blocks
+  (``get_num_new_matched_tokens``, async), plans one READ per request in
+  ``update_state_after_alloc`` and tells its workers; a worker loads the producer's agent
+  metadata once per peer, then READs and polls. A failed or timed-out READ ends as a failed
+  receive with every block of it invalid, and the engine recomputes them (WRK-011, ERR-007).
+
+Ranks pair one to one (producer rank ``r`` serves consumer rank ``r``): both engines run
+the same TP size, checked at handshake (HSK-003).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
+
+import attrs
+from typing_extensions import Self
+
+from kvspec.protocols import (
+    AllocatedBlocks,
+    ConnectorMetadata,
+    EngineConfigView,
+    HandshakeMetadata,
+    InvalidArgumentError,
+    KVCacheEvent,
+    KVConnectorOutput,
+    MalformedMetadataError,
+    RequestStatus,
+    RequestView,
+    SchedulerConnector,
+    SchedulerOutputView,
+    TransferRole,
+    UnknownRequestError,
+)
+from kvspec.protocols.metadata import decode_json_envelope
+
+__all__ = ["NixlLoad", "NixlMetadata", "NixlScheduler", "NixlSettings", "PARAMS_KIND"]
+
+PARAMS_KIND = "kvspec.nixl.handoff"
+"""The ``"kind"`` of the backend's ``kv_transfer_params``."""
+
+_META_KIND = "kvspec.nixl"
+_META_VERSION = 1
+
+
+def _malformed(detail: str) -> NoReturn:
+    raise MalformedMetadataError(f"NIXL metadata is malformed: {detail}", clause="ERR-005")
+
+
+def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value > 0
+    ):
+        raise InvalidArgumentError(
+            f"config.extra[{name!r}] is {value!r}; expected a finite number of seconds > 0",
+            clause="ERR-002",
+        )
+    return float(value)
+
+
+@attrs.frozen
+class NixlSettings:
+    """The NIXL backend's configuration, read from ``EngineConfigView.extra``.
+
+    Attributes:
+        transfer_timeout_s: A READ not finished this long after it started is cancelled
+            and fails (ERR-007); ``extra["nixl_transfer_timeout_s"]``, else the engine's
+            ``extra["kvspec.transfer_timeout_s"]``, default 30.
+        free_timeout_s: A producer frees a handed-off request's blocks after this long even
+            if no consumer read them (a consumer that died or aborted);
+            ``extra["nixl_free_timeout_s"]``, default 120.
+    """
+
+    transfer_timeout_s: float = 30.0
+    free_timeout_s: float = 120.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfigView) -> NixlSettings:
+        """Read the settings from ``config.extra``.
+
+        Raises:
+            InvalidArgumentError: a value is malformed (ERR-002).
+        """
+        if not isinstance(config, EngineConfigView):
+            raise InvalidArgumentError(
+                f"config must be an EngineConfigView, got {type(config).__name__}",
+                clause="ERR-002",
+            )
+        extra = config.extra
+        default = _seconds(extra, "kvspec.transfer_timeout_s", 30.0)
+        return cls(
+            transfer_timeout_s=_seconds(extra, "nixl_transfer_timeout_s", default),
+            free_timeout_s=_seconds(extra, "nixl_free_timeout_s", 120.0),
+        )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every mapping a dict and every sequence a list (JSON-ready)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _block_list(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not set(map(type, value)) <= {int} or (
+        value and min(value) < 0
+    ) or len(set(value)) != len(value):
+        raise InvalidArgumentError(f"{what} must be distinct block ids >= 0, got {value!r}")
+    return tuple(value)
+
+
+@attrs.frozen
+class NixlLoad:
+    """One request's READ on every consumer rank.
+
+    Attributes:
+        request_id: The consumer's request.
+        engine_id: The producer engine read from.
+        local_blocks: Consumer block ids written, in token order.
+        remote_blocks: Producer block ids read, pairwise with ``local_blocks``. Empty: no
+            block to read (the consumer had them all), only the producer's notification.
+        notification: What each rank sends the producer rank it read once the READ is done
+            (the producer's request id).
+
+    Raises:
+        InvalidArgumentError: a field is malformed.
+    """
+
+    request_id: str
+    engine_id: str
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    notification: str
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("request_id", "engine_id", "notification"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise InvalidArgumentError(f"{name} must be a non-empty str, got {value!r}")
+        _block_list(self.local_blocks, "local_blocks")
+        _block_list(self.remote_blocks, "remote_blocks")
+        if len(self.local_blocks) != len(self.remote_blocks):
+            raise InvalidArgumentError(
+                f"load of {self.request_id!r} pairs {len(self.local_blocks)} local with "
+                f"{len(self.remote_blocks)} remote blocks"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of the fields (block ids as lists)."""
+        return {"request_id": self.request_id, "engine_id": self.engine_id,
+                "local_blocks": list(self.local_blocks),
+                "remote_blocks": list(self.remote_blocks), "notification": self.notification}
+
+
+_META_KEYS = frozenset({"kind", "version", "loads", "sends", "peers"})
+_LOAD_KEYS = frozenset(a.name for a in attrs.fields(NixlLoad))
+
+
+@attrs.frozen
+class NixlMetadata:
+    """One step's work for every worker (SCH-011).
+
+    Attributes:
+        loads: READs to start (consumer), each request at most once.
+        sends: Requests handed off this step (producer): each rank frees their blocks once
+            read, or at ``free_timeout_s``.
+        peers: Producer engines the workers have not been told about yet: engine id to
+            ``{rank: PeerInfo JSON}``.
+
+    Encodes to UTF-8 JSON; :meth:`decode` validates every field (ERR-005, ERR-006).
+    """
+
+    loads: tuple[NixlLoad, ...] = ()
+    sends: tuple[str, ...] = ()
+    peers: Mapping[str, Mapping[int, Mapping[str, Any]]] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.loads, tuple) or not all(isinstance(j, NixlLoad)
+                                                        for j in self.loads):
+            raise InvalidArgumentError(f"loads must be a tuple of NixlLoad, got {self.loads!r}")
+        ids = [j.request_id for j in self.loads]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError("loads name a request twice", clause="SCH-013")
+        if not isinstance(self.sends, tuple) or not all(
+            isinstance(r, str) and r for r in self.sends
+        ) or len(set(self.sends)) != len(self.sends):
+            raise InvalidArgumentError(f"sends must be distinct request ids, got {self.sends!r}")
+        if not isinstance(self.peers, Mapping) or not all(
+            isinstance(e, str) and isinstance(m, Mapping) and all(
+                type(r) is int and r >= 0 and isinstance(p, Mapping) for r, p in m.items()
+            ) for e, m in self.peers.items()
+        ):
+            raise InvalidArgumentError("peers must map engine ids to {rank: peer info}")
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the metadata describes nothing."""
+        return not (self.loads or self.sends or self.peers)
+
+    def encode(self) -> bytes:
+        """UTF-8 JSON, no pickle (ERR-006)."""
+        return json.dumps({
+            "kind": _META_KIND, "version": _META_VERSION,
+            "loads": [j.to_json() for j in self.loads], "sends": list(self.sends),
+            "peers": {e: {str(r): _plain(p) for r, p in m.items()}
+                      for e, m in self.peers.items()},
+        }, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        """Decode and validate :meth:`encode` output.
+
+        Raises:
+            MalformedMetadataError: anything else (ERR-005).
+        """
+        obj = decode_json_envelope(data, kind=_META_KIND, version=_META_VERSION,
+                                   keys=_META_KEYS, lists=("loads", "sends"), fail=_malformed)
+        peers = obj["peers"]
+        if not isinstance(peers, dict) or not all(
+            isinstance(m, dict) and all(k.isdigit() and isinstance(p, dict) for k, p in m.items())
+            for m in peers.values()
+        ):
+            _malformed(f"peers is {peers!r}; expected {{engine: {{rank: peer info}}}}")
+        loads = []
+        for i, value in enumerate(obj["loads"]):
+            if not isinstance(value, dict) or set(value) != _LOAD_KEYS:
+                _malformed(f"loads[{i}] is {value!r}; expected keys {sorted(_LOAD_KEYS)}")
+            try:
+                loads.append(NixlLoad(
+                    value["request_id"], value["engine_id"],
+                    _block_list(value["local_blocks"], "local_blocks"),
+                    _block_list(value["remote_blocks"], "remote_blocks"), value["notification"],
+                ))
+            except InvalidArgumentError as e:
+                _malformed(f"loads[{i}]: {e.message}")
+        try:
+            return cls(loads=tuple(loads), sends=tuple(obj["sends"]), peers={
+                e: {int(r): p for r, p in m.items()} for e, m in peers.items()
+            })
+        except InvalidArgumentError as e:
+            _malformed(e.message)
+
+
+@attrs.frozen
+class _Handoff:
+    """Validated ``kv_transfer_params`` of a consumer request."""
+
+    engine_id: str
+    request_id: str
+    blocks: tuple[int, ...]
+    peers: Mapping[int, Mapping[str, Any]]
+
+
+def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
+    """The hand-off in ``params``, None if there is none.
+
+    Raises:
+        MalformedMetadataError: ``params`` claim to be a hand-off but are malformed.
+    """
+    if not params or params.get("kind") != PARAMS_KIND:
+        return None
+    try:
+        peers = params["peers"]
+        if not isinstance(peers, Mapping) or not peers or not all(
+            str(r).isdigit() and isinstance(p, Mapping) for r, p in peers.items()
+        ):
+            raise InvalidArgumentError(f"peers is {peers!r}")
+        engine, rid = params["engine_id"], params["request_id"]
+        if not isinstance(engine, str) or not engine or not isinstance(rid, str) or not rid:
+            raise InvalidArgumentError("engine_id and request_id must be non-empty strings")
+        return _Handoff(engine, rid, _block_list(params["blocks"], "blocks"),
+                        {int(r): p for r, p in peers.items()})
+    except (KeyError, InvalidArgumentError) as e:
+        raise MalformedMetadataError(
+            f"kv_transfer_params of kind {PARAMS_KIND!r} are malformed: {e}", clause="SCH-018"
+        ) from None
+
+
+class NixlScheduler(SchedulerConnector):
+    """Scheduler role of the NIXL backend: hand-off on the producer, matching and READ
+    planning on the consumer. See the module docstring."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        self._settings = NixlSettings.from_config(config)
+        self._config = config
+        self._bs = config.block_size
+        self._producer = config.role in (TransferRole.PRODUCER, TransferRole.BOTH)
+        self._peers: dict[int, Mapping[str, Any]] = {}
+        self._peers_sent: set[str] = set()
+        self._known: set[str] = set()
+        self._asked: dict[str, int] = {}
+        self._loading: set[str] = set()
+        self._consumed: set[str] = set()  # hand-offs already read (or being read): never again
+        self._sending: set[str] = set()
+        self._pending_loads: list[NixlLoad] = []
+        self._pending_sends: list[str] = []
+        self._pending_peers: dict[str, Mapping[int, Mapping[str, Any]]] = {}
+
+    # -- handshake ----------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, HandshakeMetadata]) -> None:
+        """Keep every rank's :class:`PeerInfo` (HSK-002), handed to consumers in the
+        ``kv_transfer_params`` of each request."""
+        self._peers = {r: _plain(h.payload.get("peer", {})) for r, h in metadata.items()}
+
+    # -- consumer -----------------------------------------------------------------------
+
+    def _external(self, request: RequestView, computed: int) -> tuple[_Handoff | None, int]:
+        h = _handoff(request.kv_transfer_params)
+        if h is None or computed % self._bs or request.request_id in self._consumed:
+            return h, 0
+        usable = min(len(h.blocks), (request.num_prompt_tokens - 1) // self._bs)
+        return h, max(0, usable * self._bs - computed)
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Consumer: the handed-off prompt blocks after the computed tokens, block aligned,
+        leaving one prompt token (SCH-001, SCH-005, SCH-007), loaded asynchronously;
+        ``(0, False)`` for requests without a hand-off. Side-effect free (SCH-004).
+
+        Raises:
+            MalformedMetadataError: malformed hand-off parameters (SCH-018).
+        """
+        _, count = self._external(request, num_computed_tokens)
+        self._known.add(request.request_id)
+        self._asked[request.request_id] = num_computed_tokens
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        """Consumer: plan the READ of the external tokens' blocks (SCH-008..010). A
+        hand-off with nothing to read still notifies the producer, so it frees its blocks.
+
+        Raises:
+            UnknownRequestError: the request was never seen (SCH-028).
+            InvalidArgumentError: the external tokens are not whole handed-off blocks.
+        """
+        rid = request.request_id
+        if rid not in self._known:
+            raise UnknownRequestError(
+                f"update_state_after_alloc for unknown request {rid!r}", request_id=rid,
+                clause="SCH-028",
+            )
+        blocks.check_budget(self._config.num_blocks)
+        start = self._asked.pop(rid, request.num_computed_tokens)
+        h, _ = self._external(request, start)
+        if h is None or rid in self._consumed:
+            return
+        if start % self._bs or num_external_tokens % self._bs:
+            raise InvalidArgumentError(
+                f"request {rid!r}: external tokens [{start}, {start + num_external_tokens}) "
+                f"are not whole blocks of {self._bs}", clause="SCH-007",
+            )
+        first, last = start // self._bs, (start + num_external_tokens) // self._bs
+        ids = blocks.block_ids(0)
+        if last > len(h.blocks) or last > len(ids):
+            raise InvalidArgumentError(
+                f"request {rid!r}: external blocks [{first}, {last}) exceed the "
+                f"{len(h.blocks)} handed-off or {len(ids)} allocated blocks", clause="SCH-010",
+            )
+        self._pending_loads.append(NixlLoad(rid, h.engine_id, tuple(ids[first:last]),
+                                            h.blocks[first:last], h.request_id))
+        self._consumed.add(rid)
+        if num_external_tokens:
+            self._loading.add(rid)
+        if h.engine_id not in self._peers_sent:
+            self._peers_sent.add(h.engine_id)
+            self._pending_peers[h.engine_id] = h.peers
+
+    # -- producer -----------------------------------------------------------------------
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        """Producer: hand a finished request off: ``(True, kv_transfer_params)`` holding
+        its full prompt blocks until the workers report it sent (SCH-016, SCH-018).
+        Aborted requests and requests without a full block are not handed off. Consumer:
+        ``(False, None)``; a load in flight is still reported by the workers (SCH-021).
+        """
+        rid = request.request_id
+        AllocatedBlocks.single(block_ids).check_budget(self._config.num_blocks)
+        self._known.discard(rid)
+        self._asked.pop(rid, None)
+        self._consumed.discard(rid)
+        if not self._producer or request.status is not RequestStatus.FINISHED or (
+            self._config.role is TransferRole.BOTH
+            and not (request.kv_transfer_params or {}).get("do_remote_decode")
+        ):
+            return False, None
+        full = min(len(block_ids), request.num_prompt_tokens // self._bs,
+                   request.num_computed_tokens // self._bs)
+        if full == 0 or not self._peers:
+            return False, None
+        self._sending.add(rid)
+        self._pending_sends.append(rid)
+        return True, {
+            "kind": PARAMS_KIND, "engine_id": self._config.engine_id, "request_id": rid,
+            "blocks": list(block_ids[:full]),
+            "peers": {str(r): _plain(p) for r, p in sorted(self._peers.items())},
+        }
+
+    # -- per step -----------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        """The READs, hand-offs and new peers planned since the last call, once each
+        (SCH-011, SCH-013); never waits (SCH-014)."""
+        meta = NixlMetadata(tuple(self._pending_loads), tuple(self._pending_sends),
+                            dict(self._pending_peers))
+        self._pending_loads.clear()
+        self._pending_sends.clear()
+        self._pending_peers.clear()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Forget finished READs and hand-offs; a failed READ's blocks are recomputed by
+        the engine (WRK-011).
+
+        Raises:
+            UnknownRequestError: a report for a transfer this role is not waiting for
+                (SCH-028).
+        """
+        stray = sorted({*output.finished_sending - self._sending,
+                        *output.finished_recving - self._loading})
+        if stray:
+            raise UnknownRequestError(
+                f"the output reports {stray}, which this connector is not waiting for",
+                request_id=stray[0], clause="SCH-028",
+            )
+        self._sending -= output.finished_sending
+        self._loading -= output.finished_recving
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """No KV-cache events: the backend stores nothing."""
+        return ()
+
+    def shutdown(self) -> None:
+        """Forget everything; idempotent (SCH-027)."""
+        for state in (self._known, self._asked, self._loading, self._consumed, self._sending,
+                      self._pending_loads, self._pending_sends, self._pending_peers,
+                      self._peers_sent):
+            state.clear()

@@ -1,0 +1,63 @@
+"""The factory of the NIXL backend: ``kvspec.backends.nixl:NixlConnector``.
+
+Declares asynchronous loads, delayed free (the producer holds handed-off blocks until the
+consumer read them), no per-layer hooks (GRA-001), failed loads reported as invalid blocks
+(WRK-011), every stride order and both K/V packings (LAY-010).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvspec.protocols import (
+    Capabilities,
+    ConnectorFactory,
+    EngineConfigView,
+    FailureReporting,
+    HookGraphMode,
+    SchedulerConnector,
+    WorkerConnector,
+)
+
+from ._scheduler import NixlScheduler
+from ._worker import NixlWorker
+
+__all__ = ["NixlConnector"]
+
+
+class NixlConnector(ConnectorFactory):
+    """Factory of the NIXL backend (name ``"nixl"``): prefill/decode disaggregation over
+    NIXL. Configure the engine's ``role`` as ``PRODUCER`` (prefill) or ``CONSUMER``
+    (decode); with ``BOTH`` a request is handed off only when its ``kv_transfer_params``
+    say ``{"do_remote_decode": True}``. Settings: :class:`~kvspec.backends.nixl.NixlSettings`.
+    Holds no state."""
+
+    scheduler_class: ClassVar[type[NixlScheduler]] = NixlScheduler
+    worker_class: ClassVar[type[NixlWorker]] = NixlWorker
+
+    @property
+    def name(self) -> str:
+        """``"nixl"``."""
+        return "nixl"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
+        one-to-one rank pairing (no heterogeneous TP yet)."""
+        return Capabilities(
+            async_loads=True,
+            delayed_free=True,
+            layer_hooks=HookGraphMode.NO_LAYER_HOOKS,
+            accepted_layouts=(),
+            accepts_split_kv=True,
+            failure_reporting=FailureReporting.INVALID_BLOCKS,
+            handles_preemptions=True,
+        )
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """Build the scheduler role (:attr:`scheduler_class`)."""
+        return self.scheduler_class(config)
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """Build the worker role of ``rank`` (:attr:`worker_class`)."""
+        return self.worker_class(config, rank)

@@ -1,0 +1,278 @@
+"""Tests of the NIXL connector's roles (kvspec.backends.nixl): metadata and hand-off
+parameters, the scheduler's producer and consumer sides, a producer/consumer worker pair
+moving blocks byte for byte, and faults (dead and stalled producers) ending as failed
+receives with invalid blocks that the engine recomputes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from kvspec.backends.nixl import (  # noqa: E402
+    PARAMS_KIND,
+    NixlConnector,
+    NixlLoad,
+    NixlMetadata,
+    NixlScheduler,
+    NixlWorker,
+    load_nixl,
+)
+from kvspec.conformance.harness import (  # noqa: E402
+    Engine,
+    HarnessConfig,
+    RequestSpec,
+    Workload,
+)
+from kvspec.protocols import (  # noqa: E402
+    AllocatedBlocks,
+    CompatibilityError,
+    EngineConfigView,
+    ForwardContextView,
+    ForwardKind,
+    InvalidArgumentError,
+    KVCacheLayout,
+    KVConnectorOutput,
+    KVPacking,
+    MalformedMetadataError,
+    RequestStatus,
+    RequestView,
+    SchedulerOutputView,
+    StrideOrder,
+    TransferRole,
+    UnknownRequestError,
+)
+
+pytestmark = pytest.mark.nixl
+
+BS = 4
+_ids = iter(range(1 << 30))
+
+
+def _config(role: TransferRole, engine: str, **extra: Any) -> EngineConfigView:
+    return EngineConfigView(engine_id=f"{engine}-{next(_ids)}", role=role, num_layers=2,
+                            block_size=BS, num_blocks=16, extra=extra)
+
+
+def _layout(order: StrideOrder = StrideOrder.BLNHC) -> KVCacheLayout:
+    return KVCacheLayout.contiguous(order, KVPacking.CONCAT, torch.float16, 2, 16, BS, 2, 8)
+
+
+def _worker(config: EngineConfigView, seed: int, order: StrideOrder = StrideOrder.BLNHC
+            ) -> tuple[NixlWorker, KVCacheLayout, torch.Tensor]:
+    layout = _layout(order)
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (layout.span_bytes,), dtype=torch.uint8, generator=gen)
+    view = layout.view(buf.view(layout.dtype))
+    worker = NixlWorker(config, 0)
+    worker.register_kv_caches({f"l{i}": view[layout.layer_slots[i]] for i in range(2)}, layout)
+    return worker, layout, buf
+
+
+def _block(layout: KVCacheLayout, buf: torch.Tensor, block: int) -> bytes:
+    return b"".join(buf[o:o + n].numpy().tobytes() for o, n in layout.block_regions([block])[0])
+
+
+def _step(worker: NixlWorker, meta: NixlMetadata) -> None:
+    worker.bind_connector_metadata(NixlMetadata.decode(meta.encode()))
+    worker.start_load_kv(ForwardContextView(ForwardKind.REAL, 0, 1, ("l0", "l1")))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def _until(worker: NixlWorker, rid: str, *, recv: bool, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sending, recving = worker.get_finished(frozenset())
+        if rid in (recving if recv else sending):
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{rid} not reported {'recving' if recv else 'sending'}")
+
+
+def _peers(worker: NixlWorker) -> dict[int, dict[str, Any]]:
+    hs = worker.get_handshake_metadata()
+    assert hs is not None
+    return {0: json.loads(hs.encode())["payload"]["peer"]}
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def test_metadata_round_trips_and_rejects_malformed() -> None:
+    meta = NixlMetadata(loads=(NixlLoad("r1", "prefill", (3, 4), (9, 1), "p1"),),
+                        sends=("p2",), peers={"prefill": {0: {"agent_name": "a"}}})
+    assert NixlMetadata.decode(meta.encode()) == meta
+    good = meta.encode()
+    for bad in (b"", b"[]", good.replace(b'"version":1', b'"version":2'),
+                good.replace(b"[3,4]", b"[3,3]"), good.replace(b"[9,1]", b"[9]"),
+                good.replace(b'"0":', b'"x":'), good.replace(b'"sends":["p2"]', b'"sends":[1]')):
+        with pytest.raises(MalformedMetadataError):
+            NixlMetadata.decode(bad)
+    with pytest.raises(InvalidArgumentError):
+        NixlLoad("r", "e", (1,), (1, 2), "n")
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+def _request(rid: str, n: int, **kw: Any) -> RequestView:
+    return RequestView(rid, tuple(range(n)), **kw)
+
+
+def test_scheduler_hands_off_and_plans_reads() -> None:
+    prefill = NixlScheduler(_config(TransferRole.PRODUCER, "prefill"))
+    peer_info = {"agent_name": "prefill-rank0"}
+
+    class _Hs:  # the payload is all the scheduler reads
+        payload = {"peer": peer_info}
+
+    prefill.set_xfer_handshake_metadata({0: _Hs()})  # type: ignore[dict-item]
+    done = _request("p", 14, status=RequestStatus.FINISHED, num_computed_tokens=14)
+    delay, params = prefill.request_finished(done, (5, 6, 7, 8))
+    assert delay and params is not None
+    assert params["kind"] == PARAMS_KIND and params["blocks"] == [5, 6, 7]  # 3 full blocks
+    assert prefill.build_connector_meta(SchedulerOutputView(step_id=0)).sends == ("p",)
+    aborted = _request("q", 14, status=RequestStatus.ABORTED, num_computed_tokens=14)
+    assert prefill.request_finished(aborted, (1, 2, 3)) == (False, None)
+    prefill.update_connector_output(KVConnectorOutput(finished_sending=frozenset({"p"})))
+    with pytest.raises(UnknownRequestError):
+        prefill.update_connector_output(KVConnectorOutput(finished_sending=frozenset({"p"})))
+
+    decode = NixlScheduler(_config(TransferRole.CONSUMER, "decode"))
+    r = _request("d", 14, kv_transfer_params=params)
+    assert decode.get_num_new_matched_tokens(r, 0) == (12, True)
+    assert decode.get_num_new_matched_tokens(r, 4) == (8, True)  # a local prefix hit
+    decode.get_num_new_matched_tokens(r, 4)
+    decode.update_state_after_alloc(r, AllocatedBlocks.single((0, 1, 2, 3)), 8)
+    meta = decode.build_connector_meta(SchedulerOutputView(step_id=1))
+    assert isinstance(meta, NixlMetadata)
+    (load,) = meta.loads
+    assert (load.local_blocks, load.remote_blocks, load.notification) == ((1, 2), (6, 7), "p")
+    assert set(meta.peers) == {params["engine_id"]}
+    assert decode.get_num_new_matched_tokens(r, 4) == (0, False)  # never read twice
+    decode.update_connector_output(KVConnectorOutput(finished_recving=frozenset({"d"})))
+    plain = _request("x", 14)
+    assert decode.get_num_new_matched_tokens(plain, 0) == (0, False)
+    with pytest.raises(MalformedMetadataError):
+        decode.get_num_new_matched_tokens(
+            _request("y", 14, kv_transfer_params={"kind": PARAMS_KIND, "blocks": "no"}), 0)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+@pytest.mark.parametrize("order", [StrideOrder.BLNHC, StrideOrder.LBHNC])
+def test_worker_pair_moves_blocks_and_frees_on_notification(order: StrideOrder) -> None:
+    producer, layout, src = _worker(_config(TransferRole.PRODUCER, "prefill"), 1, order)
+    consumer, _, dst = _worker(_config(TransferRole.CONSUMER, "decode"), 2, order)
+    try:
+        engine = "prefill-engine"
+        _step(producer, NixlMetadata(sends=("p",)))
+        assert producer.get_finished(frozenset()) == (frozenset(), frozenset())  # held
+        _step(consumer, NixlMetadata(loads=(NixlLoad("d", engine, (4, 0, 9), (1, 2, 3), "p"),),
+                                     peers={engine: _peers(producer)}))
+        _until(consumer, "d", recv=True)
+        assert consumer.get_failed_recving() == frozenset()
+        for local, remote in ((4, 1), (0, 2), (9, 3)):
+            assert _block(layout, dst, local) == _block(layout, src, remote)
+        _until(producer, "p", recv=False)  # freed once the consumer read it
+        stats = consumer.get_kv_connector_stats()
+        assert stats is not None and stats.counters["blocks_loaded"] == 3  # type: ignore[attr-defined]
+        assert consumer.endpoint is not None
+        assert consumer.endpoint.descriptors_per_block() == layout.regions_per_block
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+        consumer.shutdown()
+    for w in (producer, consumer):
+        assert w.endpoint is not None and w.endpoint.resources().total == 0  # no leak
+
+
+def test_incompatible_producer_fails_the_handshake() -> None:
+    producer, _, _ = _worker(_config(TransferRole.PRODUCER, "prefill"), 1, StrideOrder.LBHNC)
+    consumer, _, _ = _worker(_config(TransferRole.CONSUMER, "decode"), 2, StrideOrder.BLNHC)
+    try:
+        with pytest.raises(CompatibilityError):
+            _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (1,), (1,), "p"),),
+                                         peers={"e": _peers(producer)}))
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def test_read_from_a_dead_producer_is_a_failed_receive_with_invalid_blocks() -> None:
+    """HSK-004: the handshake with a producer that is gone fails at once, and the affected
+    receive ends as failed with every block invalid instead of hanging."""
+    producer, _, _ = _worker(_config(TransferRole.PRODUCER, "prefill"), 1)
+    consumer, _, _ = _worker(_config(TransferRole.CONSUMER, "decode"), 2)
+    peers = _peers(producer)
+    producer.shutdown()  # its agent and registration are gone
+    try:
+        start = time.monotonic()
+        _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (3, 5), (1, 2), "p"),),
+                                     peers={"e": peers}))
+        _until(consumer, "d", recv=True)
+        assert time.monotonic() - start < 5
+        assert consumer.get_failed_recving() == {"d"}
+        assert consumer.get_block_ids_with_load_errors() == {3, 5}
+    finally:
+        consumer.shutdown()
+
+
+def test_a_stalled_producer_fails_the_read_at_the_timeout() -> None:
+    consumer, layout, _ = _worker(
+        _config(TransferRole.CONSUMER, "decode", nixl_transfer_timeout_s=0.3), 2)
+    api = load_nixl()
+    name = f"stalled-{next(_ids)}"
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False,
+                                                       backends=["UCX"]))
+    buf = torch.zeros(layout.span_bytes, dtype=torch.uint8)
+    reg = agent.register_memory(np.array([[buf.data_ptr(), buf.numel(), 0]], dtype=np.uint64),
+                                "DRAM")
+    assert consumer.endpoint is not None
+    info = attrs.evolve(consumer.endpoint.info, agent_name=name,
+                        agent_metadata=agent.get_agent_metadata(), base_address=buf.data_ptr())
+    try:
+        start = time.monotonic()
+        _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (3,), (1,), "p"),),
+                                     peers={"e": {0: info.to_json()}}))
+        _until(consumer, "d", recv=True)
+        assert 0.3 <= time.monotonic() - start < 5
+        assert consumer.get_failed_recving() == {"d"}
+        assert consumer.get_block_ids_with_load_errors() == {3}
+    finally:
+        consumer.shutdown()
+        agent.deregister_memory(reg)
+
+
+def test_engine_recomputes_blocks_whose_read_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """A decode engine handed a request whose producer is gone reads nothing, reports a
+    failed receive, recomputes the blocks and finishes the request with correct KV (the
+    harness checks every byte the model reads, WRK-013)."""
+    spec = RequestSpec("r", tuple(range(23)), max_new_tokens=2)
+    cfg = HarnessConfig(prefix_caching=False)
+    # No consumer reads while the prefill engine runs: it frees at its free timeout.
+    with Engine(NixlConnector(), attrs.evolve(cfg, role=TransferRole.PRODUCER,
+                                              engine_id="prefill",
+                                              extra={"nixl_free_timeout_s": 0.2})) as prefill:
+        result = prefill.run(Workload([attrs.evolve(spec, max_new_tokens=1)], name="p"))
+    params = result.transfer_params["r"]
+    assert params is not None and params["kind"] == PARAMS_KIND
+    # The prefill engine is shut down: its NIXL agent and memory are gone.
+    with caplog.at_level(logging.WARNING, logger="kvspec.backends.nixl._worker"):
+        with Engine(NixlConnector(), attrs.evolve(cfg, role=TransferRole.CONSUMER,
+                                                  engine_id="decode")) as decode:
+            out = decode.run(Workload([attrs.evolve(spec, kv_transfer_params=params)],
+                                      name="d"))
+    assert out.finished == ("r",)
+    assert out.external_tokens["r"] == 0  # loaded tokens: none, all 20 were recomputed
+    assert any("cannot reach engine" in rec.getMessage() for rec in caplog.records)

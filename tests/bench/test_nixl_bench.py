@@ -1,0 +1,37 @@
+"""``kvspec bench nixl`` runs and reports what it promises (targets are not asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("nixl")
+
+from kvspec.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.nixl
+
+
+def test_quick_json_reports_every_point_and_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "nixl", "--quick", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    rows = data["results"]
+    assert [(r["order"], r["page_bytes"]) for r in rows] == [
+        ("BLNHC", 4096), ("BLNHC", 65536), ("LBNHC", 4096), ("LBNHC", 65536)]
+    for r in rows:
+        assert r["connector_s"] > 0 and r["raw_s"] > 0 and r["memcpy_s"] > 0
+        assert r["control_us"] > 0 and r["nbytes"] == 32 * 4 * r["page_bytes"]
+        per_block = 1 if r["family"] == "block-outermost" else 4  # one per layer and block
+        assert r["descriptors"] == 32 * per_block
+    assert len(data["targets"]) == 5
+    assert all(t.endswith(("PASS", "MISS")) for t in data["targets"])
+    assert captured.err.count("\n") >= 4  # one progress line per point
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "nixl", "--quick", "--blocks", "8", "--layers", "2",
+                 "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| layout" in out and "vs raw" in out and "target control-plane" in out
