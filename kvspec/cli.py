@@ -196,6 +196,17 @@ def _bench_offload(args: argparse.Namespace) -> int:
         args.overhead_blocks, repeats=grid.repeats, warmup=grid.warmup
     )
     checks = check_targets(results, overheads)
+    if args.svg:
+        from .bench._svg import bar_chart
+
+        labels = [f"{r.point.order} {r.point.heads}x{r.point.head_size} {r.point.blocks} blk"
+                  for r in results]
+        _write(args.svg, bar_chart(
+            "kvspec bench offload: throughput / same-run copy", labels,
+            [("store", [r.store_ratio for r in results]),
+             ("load", [r.load_ratio for r in results])],
+            targets=[("0.9", 0.9), ("0.7", 0.7)],
+        ))
     if args.json:
         json.dump(
             {
@@ -289,6 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--overhead-blocks", type=_positive_int, default=256, metavar="N",
                    help="blocks of the per-step overhead measurement (default 256)")
     o.add_argument("--json", action="store_true", help="print the results as JSON")
+    o.add_argument("--svg", metavar="PATH", help="also write a chart of the ratios to PATH")
     o.set_defaults(func=_bench_offload)
     n = bsub.add_parser(
         "nixl", help="NIXL backend transfers vs raw NIXL and a memory copy",
@@ -304,6 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--layers", type=_positive_int, metavar="N", help="layers (default 32)")
     n.add_argument("--repeats", type=_positive_int, metavar="N", help="timed runs (default 9)")
     n.add_argument("--json", action="store_true", help="print the results as JSON")
+    n.add_argument("--svg", metavar="PATH", help="also write a chart of the ratios to PATH")
     n.set_defaults(func=_bench_nixl)
     d = sub.add_parser("demo", help="run a reference backend end to end")
     dsub = d.add_subparsers(dest="demo", required=True)
@@ -330,6 +343,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _bench_nixl(args: argparse.Namespace) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout
     from .bench.nixl import (
@@ -352,6 +370,16 @@ def _bench_nixl(args: argparse.Namespace) -> int:
     results = run_nixl_bench(default_points(blocks, layers), repeats=repeats,
                              warmup=1 if args.quick else 2, progress=progress)
     targets = check_nixl_targets(results)
+    if args.svg:
+        from .bench._svg import bar_chart
+
+        labels = [f"{r.point.order} {r.point.page_bytes // 1024} KiB pages" for r in results]
+        _write(args.svg, bar_chart(
+            "kvspec bench nixl: throughput / raw NIXL and / memcpy", labels,
+            [("vs raw NIXL", [r.vs_raw for r in results]),
+             ("vs memcpy", [r.vs_memcpy for r in results])],
+            targets=[("0.9", 0.9)],
+        ))
     if args.json:
         json.dump({"kvspec_version": __version__, "machine": machine_info(),
                    "results": [r.as_dict() for r in results], "targets": targets},

@@ -4,6 +4,7 @@ they belong to the benchmark's own output."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +108,14 @@ def test_bench_needs_a_benchmark_name(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as exc:
         main(["bench"])
     assert exc.value.code == 2
+
+
+def test_svg_chart_has_a_bar_per_point_and_direction(tmp_path: Any) -> None:
+    from xml.etree import ElementTree
+
+    path = tmp_path / "chart.svg"
+    assert main([*_TINY, "--svg", str(path)]) == 0
+    root = ElementTree.fromstring(path.read_text())
+    bars = [e for e in root.iter("{http://www.w3.org/2000/svg}rect")
+            if float(e.get("height", 0)) > 12]
+    assert len(bars) == 2 * len(OffloadGrid.quick().points())  # store and load per point
