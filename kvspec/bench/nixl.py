@@ -5,7 +5,8 @@ For each point (stride order, page size) the benchmark measures, in one run:
 * **raw NIXL** (:func:`~kvspec.bench._nixl_raw.measure_raw_nixl`): one prepared READ of the
   same bytes between two agents with the minimal descriptor list of the point's layout
   family (one per block for block-outermost orders, one per layer and block otherwise),
-  and the same-run ``memcpy`` of those bytes;
+  and the same-run ``memcpy`` of those bytes. The reading agent runs without NIXL's
+  progress thread, as the connector's consumer ranks do (the thread busy-polls a core);
 * **the connector end to end**: a consumer :class:`~kvspec.backends.nixl.NixlWorker`
   reading ``blocks`` blocks from a producer worker (two agents in this process, KV caches in
   the point's layout, remote blocks a fixed random permutation), from binding the step's
@@ -198,8 +199,11 @@ def measure_nixl_point(point: NixlPoint, *, repeats: int = 9, warmup: int = 2,
     Raises:
         RuntimeError: a transfer failed or moved wrong bytes.
     """
+    # Like the connector's consumer ranks, the raw reader runs without NIXL's progress
+    # thread (polling drives its reads), so both sides of the comparison have the cores.
     raw = measure_raw_nixl(point.blocks, point.layers, point.page_bytes, repeats=repeats,
-                           warmup=warmup, seed=seed, verify=False)
+                           warmup=warmup, seed=seed, verify=False,
+                           consumer_progress_thread=False)
     block_outer = point.family == "block-outermost"
     raw_s, raw_other_s = ((raw.per_block_s, raw.per_layer_block_s) if block_outer
                           else (raw.per_layer_block_s, raw.per_block_s))

@@ -35,6 +35,7 @@ from kvspec.protocols import (
     KVSpecError,
     MetadataSlot,
     SupportsAggregate,
+    TransferRole,
     WorkerConnector,
 )
 
@@ -104,9 +105,12 @@ class NixlWorker(WorkerConnector):
             )
         tensors = list(kv_caches.values())
         layout.check_layer_tensors(tensors)
+        # A consumer only reads: polling drives its transfers, and NIXL's progress thread,
+        # which busy-polls a core, is needed only by ranks whose memory others read.
         self.endpoint = NixlEndpoint(
             f"{self._config.engine_id}-rank{self._rank}", tensors[0], layout,
             spec_version=SPEC_VERSION,
+            progress_thread=self._config.role is not TransferRole.CONSUMER,
         )
 
     def get_handshake_metadata(self) -> HandshakeMetadata | None:
