@@ -119,14 +119,6 @@ def _recv(conn: multiprocessing.connection.Connection) -> dict[str, Any]:
     return obj
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _quiet_nixl() -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout
 
@@ -135,7 +127,7 @@ def _prefill(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) -
     _quiet_nixl()
     from kvspec.backends.nixl import NixlConnector
     from kvspec.conformance.harness import Engine, RequestSpec
-    from kvspec.protocols import RequestStatus
+    from kvspec.protocols import RequestStatus, thaw_params
 
     options = PDOptions(**raw)
     start = time.monotonic()
@@ -153,7 +145,7 @@ def _prefill(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) -
                     ):
                         handed.add(rid)
                         _send(conn, {"request_id": rid, "prompt": list(r.spec.prompt),
-                                     "params": _plain(r.params)})
+                                     "params": thaw_params(r.params)})
                 if len(handed) == options.requests and engine.idle:
                     break
                 engine.step()

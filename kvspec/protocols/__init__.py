@@ -41,6 +41,7 @@ from .views import (
     SchedulerOutputView,
     TransferRole,
     freeze_params,
+    thaw_params,
 )
 from .capabilities import (
     Capabilities,
@@ -173,6 +174,7 @@ __all__ = [
     "check_transition",
     "decode_json_envelope",
     "freeze_params",
+    "thaw_params",
     "negotiate_layout",
     "plan_forward",
     "resolve_graph_mode",

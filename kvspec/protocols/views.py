@@ -29,6 +29,7 @@ __all__ = [
     "SchedulerOutputView",
     "TransferRole",
     "freeze_params",
+    "thaw_params",
 ]
 
 
@@ -137,6 +138,17 @@ def freeze_params(
     frozen = _check_plain(name, params)
     assert isinstance(frozen, Mapping)
     return frozen
+
+
+def thaw_params(value: Any) -> Any:
+    """The inverse of :func:`freeze_params`: a plain, mutable, JSON-ready copy of frozen
+    parameters (mappings become ``dict`` with ``str`` keys, sequences become ``list``), for
+    ``json.dumps`` or for handing to another process (SCH-018)."""
+    if isinstance(value, Mapping):
+        return {str(k): thaw_params(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw_params(v) for v in value]
+    return value
 
 
 class RequestStatus(enum.Enum):

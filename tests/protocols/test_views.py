@@ -644,3 +644,18 @@ def test_non_iterable_arguments_raise_typed_errors(make: Any) -> None:
 def test_freeze_params_rejects_non_json_floats(value: float) -> None:
     with pytest.raises(InvalidArgumentError, match=r"kv_transfer_params\.x is .*JSON has no NaN"):
         freeze_params({"x": value})
+
+
+def test_thaw_params_inverts_freeze_params_into_json_ready_data() -> None:
+    import json
+
+    from kvspec.protocols import thaw_params
+
+    params = {"a": [1, {"b": (2, 3)}], "c": {"d": None, "e": "x"}}
+    frozen = freeze_params(params)
+    thawed = thaw_params(frozen)
+    assert thawed == {"a": [1, {"b": [2, 3]}], "c": {"d": None, "e": "x"}}
+    assert json.loads(json.dumps(thawed)) == thawed  # json.dumps refuses mappingproxy
+    thawed["c"]["e"] = "y"  # a mutable copy: the frozen params are untouched
+    assert frozen is not None and frozen["c"]["e"] == "x"
+    assert freeze_params(thawed) is not None

@@ -42,6 +42,7 @@ from kvspec.protocols import (
     SchedulerOutputView,
     TransferRole,
     UnknownRequestError,
+    thaw_params,
 )
 from kvspec.protocols.metadata import decode_json_envelope
 
@@ -104,15 +105,6 @@ class NixlSettings:
             transfer_timeout_s=_seconds(extra, "nixl_transfer_timeout_s", default),
             free_timeout_s=_seconds(extra, "nixl_free_timeout_s", 120.0),
         )
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with every mapping a dict and every sequence a list (JSON-ready)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _block_list(value: object, what: str) -> tuple[int, ...]:
@@ -216,7 +208,7 @@ class NixlMetadata:
         return json.dumps({
             "kind": _META_KIND, "version": _META_VERSION,
             "loads": [j.to_json() for j in self.loads], "sends": list(self.sends),
-            "peers": {e: {str(r): _plain(p) for r, p in m.items()}
+            "peers": {e: {str(r): thaw_params(p) for r, p in m.items()}
                       for e, m in self.peers.items()},
         }, sort_keys=True, separators=(",", ":")).encode()
 
@@ -315,7 +307,7 @@ class NixlScheduler(SchedulerConnector):
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, HandshakeMetadata]) -> None:
         """Keep every rank's :class:`PeerInfo` (HSK-002), handed to consumers in the
         ``kv_transfer_params`` of each request."""
-        self._peers = {r: _plain(h.payload.get("peer", {})) for r, h in metadata.items()}
+        self._peers = {r: thaw_params(h.payload.get("peer", {})) for r, h in metadata.items()}
 
     # -- consumer -----------------------------------------------------------------------
 
@@ -412,7 +404,7 @@ class NixlScheduler(SchedulerConnector):
         return True, {
             "kind": PARAMS_KIND, "engine_id": self._config.engine_id, "request_id": rid,
             "blocks": list(block_ids[:full]),
-            "peers": {str(r): _plain(p) for r, p in sorted(self._peers.items())},
+            "peers": {str(r): thaw_params(p) for r, p in sorted(self._peers.items())},
         }
 
     # -- per step -----------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import logging
 import itertools
 import threading
 import time
@@ -74,6 +75,7 @@ __all__ = [
 ]
 
 _LOCAL: Final = "NIXL_INIT_AGENT"
+_log = logging.getLogger(__name__)
 
 
 class NixlError(KVSpecError):
@@ -686,8 +688,9 @@ class NixlEndpoint:
             if self._reg is not None:
                 try:
                     self._agent.deregister_memory(self._reg, backends=self._backends)
-                except Exception:
-                    pass
+                except Exception as e:  # nothing left to retry with: say so
+                    _log.warning("NIXL could not deregister the memory of agent %r: %s",
+                                 self.name, _nixl_message(e))
                 self._reg = None
             self._agent = None  # destroys the agent (and its connections) once unreferenced
 
