@@ -338,6 +338,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="channels per head (default 64)")
     pd.add_argument("--order", type=_orders, default=("BLNHC",), metavar="ORDER",
                     help="KV stride order (default BLNHC)")
+    pd.add_argument("--prefill-tp", type=_positive_int, default=1, metavar="N",
+                    help="TP size of the prefill engine (default 1); must divide --heads")
+    pd.add_argument("--decode-tp", type=_positive_int, default=1, metavar="N",
+                    help="TP size of the decode engine (default 1); must divide --heads")
     pd.add_argument("--json", action="store_true", help="print the report as JSON")
     pd.set_defaults(func=_demo_pd)
     return p
@@ -402,9 +406,13 @@ def _demo_pd(args: argparse.Namespace) -> int:
 
     if len(args.order) != 1:
         raise SystemExit("kvspec demo pd: --order takes one stride order")
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if args.heads % tp:
+            raise SystemExit(f"kvspec demo pd: {flag} {tp} does not divide --heads {args.heads}")
     options = PDOptions(requests=args.requests, prompt_tokens=args.prompt_tokens,
                         layers=args.layers, heads=args.heads, head_size=args.head_size,
-                        order=args.order[0])
+                        order=args.order[0], prefill_tp=args.prefill_tp,
+                        decode_tp=args.decode_tp)
     try:
         report = run_pd_demo(options)
     except RuntimeError as e:

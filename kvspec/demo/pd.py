@@ -33,6 +33,8 @@ class PDOptions:
         decode_tokens: Tokens each request decodes after the hand-off.
         layers, heads, head_size, block_size: The toy model and its KV layout.
         order: The KV stride order of both engines.
+        prefill_tp, decode_tp: TP sizes of the two engines; they may differ (each decode
+            rank then reads its heads from the prefill ranks that hold them).
         timeout_s: Bound on the whole demo.
     """
 
@@ -44,6 +46,8 @@ class PDOptions:
     head_size: int = 64
     block_size: int = 16
     order: str = "BLNHC"
+    prefill_tp: int = 1
+    decode_tp: int = 1
     timeout_s: float = 120.0
 
     def config(self, role: str) -> Any:
@@ -59,6 +63,7 @@ class PDOptions:
             max_tokens_per_step=max(self.prompt_tokens * 2, 64), engine_id=role,
             role=TransferRole.PRODUCER if role == "prefill" else TransferRole.CONSUMER,
             transfer_timeout_s=self.timeout_s,
+            tp_size=self.prefill_tp if role == "prefill" else self.decode_tp,
         )
 
 
@@ -97,7 +102,7 @@ class PDReport:
         return [
             f"kvspec demo pd: {o.requests} requests of {o.prompt_tokens} prompt tokens, "
             f"{o.layers} layers x {o.heads} heads x {o.head_size}, {o.order}, "
-            f"{o.block_size} tokens/block",
+            f"{o.block_size} tokens/block, TP {o.prefill_tp} -> {o.decode_tp}",
             f"prefill engine: handed off {self.handed_off} requests in "
             f"{self.prefill_seconds:.2f} s",
             f"decode engine: loaded {self.loaded_tokens} tokens ({mib:.1f} MiB) over NIXL, "
@@ -186,7 +191,8 @@ def _decode(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) ->
             engine.drain()
             result = engine.result()
             layout = engine.config.layout()
-            per_token = layout.regions_per_block * layout.region_nbytes // layout.block_size
+            per_token = (layout.regions_per_block * layout.region_nbytes // layout.block_size
+                         * engine.config.tp_size)  # every rank's heads
             loaded = sum(result.external_tokens.values())
         _send(conn, {"finished": len(result.finished), "loaded_tokens": loaded,
                      "loaded_bytes": loaded * per_token,

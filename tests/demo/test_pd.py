@@ -30,3 +30,22 @@ def test_demo_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["finished"] == 1 and out["loaded_tokens"] == 16
     assert out["options"]["order"] == "LBNHC"
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_demo_across_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
+    """Heterogeneous TP across processes: every decode rank's heads arrive intact (the
+    decode model checks every byte it reads) and nothing is recomputed."""
+    options = PDOptions(requests=2, prompt_tokens=25, decode_tokens=1, layers=2, heads=4,
+                        head_size=8, block_size=8, order="LBHNC", prefill_tp=prefill_tp,
+                        decode_tp=decode_tp, timeout_s=60)
+    report = run_pd_demo(options)
+    assert (report.handed_off, report.finished) == (2, 2)
+    assert report.loaded_tokens == 2 * 24
+    assert report.loaded_bytes == report.loaded_tokens * 2 * 4 * 2 * 8 * 2  # whole model
+    assert "TP %d -> %d" % (prefill_tp, decode_tp) in report.lines()[0]
+
+
+def test_demo_cli_refuses_a_tp_size_that_does_not_split_the_heads() -> None:
+    with pytest.raises(SystemExit, match="does not divide"):
+        main(["demo", "pd", "--heads", "4", "--decode-tp", "3"])

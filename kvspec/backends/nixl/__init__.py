@@ -12,12 +12,13 @@ does (:class:`NixlUnavailableError` without it).
 
 from ._descriptors import (
     BlockGeometry,
+    BlockRuns,
     LayoutSummary,
     MemKind,
     PeerInfo,
-    RegionSlices,
     check_compatible,
 )
+from ._heads import head_runs
 from ._scheduler import PARAMS_KIND, NixlLoad, NixlMetadata, NixlScheduler, NixlSettings
 from ._transport import (
     EndpointClosedError,
@@ -34,6 +35,7 @@ from .connector import NixlConnector
 
 __all__ = [
     "BlockGeometry",
+    "BlockRuns",
     "EndpointClosedError",
     "LayoutSummary",
     "MemKind",
@@ -50,8 +52,8 @@ __all__ = [
     "NixlWorker",
     "PARAMS_KIND",
     "PeerInfo",
-    "RegionSlices",
     "TransferState",
     "check_compatible",
+    "head_runs",
     "load_nixl",
 ]

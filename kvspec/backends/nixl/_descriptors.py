@@ -9,10 +9,10 @@ remote descriptor rows from the geometry it received.
 
 Descriptor granularity (LAY-013): a block that is one contiguous region (an unpadded
 block-outermost layout) gets one descriptor; otherwise one descriptor per (region, block),
-e.g. one per layer and block for NHD/HND. A caller may narrow each region to sub-ranges
-(:data:`RegionSlices`), e.g. a decode rank that reads half of the heads of a producer's HND
-page under heterogeneous TP: each slice ``(offset, nbytes)`` inside a region adds one
-descriptor per region and block.
+e.g. one per layer and block for NHD/HND. A caller may instead give the byte runs of a block
+to move (:data:`BlockRuns`), e.g. a decode rank that reads half of the heads of a
+producer's HND page under heterogeneous TP (:func:`~kvspec.backends.nixl._heads.head_runs`):
+each run ``(offset, nbytes)`` of block 0, inside one region, is one descriptor per block.
 """
 
 from __future__ import annotations
@@ -38,19 +38,21 @@ __all__ = [
     "BlockGeometry",
     "LayoutSummary",
     "MemKind",
+    "BlockRuns",
     "PeerInfo",
-    "RegionSlices",
     "check_compatible",
 ]
 
 MemKind = Literal["DRAM", "VRAM"]
 """NIXL memory segment of a registration: host memory or GPU memory."""
 
-RegionSlices = tuple[tuple[int, int], ...]
-"""``(byte offset, nbytes)`` sub-ranges inside every region of a block, ascending."""
+BlockRuns = tuple[tuple[int, int], ...]
+"""The ``(byte offset, nbytes)`` runs of block 0 that a transfer moves, in descriptor (pair)
+order; block ``b``'s runs lie ``b * block_stride`` further. Each run lies inside one region;
+runs do not overlap."""
 
 _MAX_REGIONS: Final = 1 << 16
-_MAX_SLICES: Final = 1 << 16
+_MAX_RUNS: Final = 1 << 16
 _MAX_U64: Final = (1 << 64) - 1
 _WIRE_KIND: Final = "kvspec.nixl/1"
 
@@ -147,60 +149,64 @@ class BlockGeometry:
             self.region_nbytes
         )
 
-    def check_slices(self, slices: RegionSlices | None) -> RegionSlices:
-        """Validate ``slices`` against :attr:`region_nbytes`; None means the whole region.
+    @property
+    def region_runs(self) -> BlockRuns:
+        """Block 0's whole regions as runs: the default of :meth:`check_runs`."""
+        return tuple((offset, self.region_nbytes) for offset in self.region_offsets)
+
+    def check_runs(self, runs: BlockRuns | None) -> BlockRuns:
+        """Validate ``runs`` of block 0 against the regions; None means whole regions.
 
         Raises:
-            InvalidArgumentError: a slice is not ``(offset, nbytes)`` with ``nbytes >= 1``
-                inside the region, or slices overlap or are not ascending.
+            InvalidArgumentError: a run is not ``(offset, nbytes)`` with ``nbytes >= 1``
+                inside one region, runs overlap, or there are none or too many.
         """
-        if slices is None:
-            return ((0, self.region_nbytes),)
-        if not isinstance(slices, (tuple, list)) or not 1 <= len(slices) <= _MAX_SLICES:
+        if runs is None:
+            return self.region_runs
+        if not isinstance(runs, (tuple, list)) or not 1 <= len(runs) <= _MAX_RUNS:
             raise InvalidArgumentError(
-                f"slices must be a non-empty tuple of (offset, nbytes) pairs, got {slices!r}"
+                f"runs must be a non-empty tuple of at most {_MAX_RUNS} (offset, nbytes) "
+                f"pairs, got {type(runs).__name__} of "
+                f"{len(runs) if isinstance(runs, (tuple, list)) else '?'}"
             )
         result = []
-        end = 0
-        for item in slices:
+        for item in runs:
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise InvalidArgumentError(
-                    f"each slice must be an (offset, nbytes) pair, got {item!r}"
+                    f"each run must be an (offset, nbytes) pair, got {item!r}"
                 )
-            offset = _checked("slice offset", item[0], minimum=0)
-            nbytes = _checked("slice nbytes", item[1], minimum=1)
-            if offset < end or offset + nbytes > self.region_nbytes:
-                raise InvalidArgumentError(
-                    f"slice ({offset}, {nbytes}) overlaps the previous one or leaves the "
-                    f"region of {self.region_nbytes} bytes; expected ascending, disjoint "
-                    f"slices inside [0, {self.region_nbytes})"
-                )
-            end = offset + nbytes
-            result.append((offset, nbytes))
+            result.append((_checked("run offset", item[0], minimum=0),
+                           _checked("run nbytes", item[1], minimum=1)))
+        spans = np.asarray(result, dtype=np.int64)
+        starts, ends = spans[:, 0], spans[:, 0] + spans[:, 1]
+        regions = np.asarray(self.region_offsets, dtype=np.int64)
+        which = np.searchsorted(regions, starts, side="right") - 1
+        outside = (which < 0) | (ends > regions[np.maximum(which, 0)] + self.region_nbytes)
+        if outside.any():
+            offset, nbytes = result[int(np.argmax(outside))]
+            raise InvalidArgumentError(
+                f"run ({offset}, {nbytes}) is not inside one region of block 0; regions are "
+                f"{self.region_nbytes} bytes at {list(self.region_offsets[:4])}..."
+            )
+        order = np.argsort(starts, kind="stable")
+        if (starts[order][1:] < ends[order][:-1]).any():
+            raise InvalidArgumentError("runs overlap; each byte of a block is moved at most once")
         return tuple(result)
 
-    def descriptor_lengths(self, slices: RegionSlices) -> tuple[int, ...]:
-        """Lengths of the descriptors of one block, in descriptor order."""
-        return tuple(n for _ in self.region_offsets for _, n in slices)
-
     def descriptor_rows(
-        self, base: int, device_id: int, slices: RegionSlices
+        self, base: int, device_id: int, runs: BlockRuns
     ) -> npt.NDArray[np.uint64]:
         """The NIXL ``Nx3`` descriptor array ``(address, nbytes, device id)`` of every
-        block, slot-major: descriptor slot ``d`` (region ``d // len(slices)``, slice
-        ``d % len(slices)``) of block ``b`` is row ``d * num_blocks + b``.
+        block, run-major: run ``d`` of block ``b`` is row ``d * num_blocks + b``.
 
-        Slot-major matters: NIXL merges two descriptors of a transfer only when their
+        Run-major matters: NIXL merges two descriptors of a transfer only when their
         *indices* are consecutive in the prepared list and their memory is contiguous on
         both sides, so with this order a run of consecutive block ids of one layer becomes
         one descriptor (as with vLLM's layer-major lists)."""
-        starts = np.asarray(self.region_offsets, dtype=np.uint64)[:, None] + np.asarray(
-            [o for o, _ in slices], dtype=np.uint64
-        )[None, :]
-        lengths = np.tile(np.asarray([n for _, n in slices], dtype=np.uint64),
-                          self.regions_per_block)
+        starts = np.asarray([o for o, _ in runs], dtype=np.uint64)
+        lengths = np.asarray([n for _, n in runs], dtype=np.uint64)
         blocks = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.block_stride)
-        addresses = np.uint64(base) + starts.reshape(-1, 1) + blocks[None, :]
+        addresses = np.uint64(base) + starts[:, None] + blocks[None, :]
         rows = np.empty((addresses.size, 3), dtype=np.uint64)
         rows[:, 0] = addresses.reshape(-1)
         rows[:, 1] = np.repeat(lengths, self.num_blocks)
@@ -259,8 +265,8 @@ class BlockGeometry:
 def descriptor_indices(
     block_ids: npt.NDArray[np.int64], per_block: int, num_blocks: int
 ) -> npt.NDArray[np.int32]:
-    """Indices into a slot-major prepared list (:meth:`BlockGeometry.descriptor_rows`) of
-    the descriptors of ``block_ids``, slot outer and block inner, so that runs of
+    """Indices into a run-major prepared list (:meth:`BlockGeometry.descriptor_rows`) of
+    the descriptors of ``block_ids``, run outer and block inner, so that runs of
     consecutive block ids on both sides are consecutive indices NIXL can merge."""
     slots = np.arange(per_block, dtype=np.int64) * num_blocks
     return (slots[:, None] + block_ids[None, :]).reshape(-1).astype(np.int32)
@@ -268,16 +274,34 @@ def descriptor_indices(
 
 @attrs.frozen
 class LayoutSummary:
-    """The layout fields peers compare at handshake (HSK-003), as plain data."""
+    """The layout fields peers compare at handshake (HSK-003), as plain data, and the
+    element strides a peer needs to find each head's bytes (heterogeneous TP).
+
+    Attributes:
+        order: Stride order name (LAY-001).
+        packing: K/V packing name (LAY-002).
+        dtype: Element dtype name, e.g. ``"bfloat16"``.
+        block_size: Tokens per block.
+        num_layers: Attention layers.
+        storage_layers: Distinct layer storages (LAY-011).
+        num_heads: KV heads of the rank.
+        head_size_k: Channels of K per head.
+        head_size_v: Channels of V per head.
+        strides: Element strides of the storage dims in logical order, as in
+            :attr:`~kvspec.protocols.KVCacheLayout.strides`. Not compared: peers with
+            different padding or capacity exchange KV alike.
+    """
 
     order: str
     packing: str
     dtype: str
     block_size: int
     num_layers: int
+    storage_layers: int
     num_heads: int
     head_size_k: int
     head_size_v: int
+    strides: tuple[int, ...]
 
     @classmethod
     def from_layout(cls, layout: KVCacheLayout) -> LayoutSummary:
@@ -288,17 +312,21 @@ class LayoutSummary:
             dtype=str(layout.dtype).removeprefix("torch."),
             block_size=layout.block_size,
             num_layers=layout.num_layers,
+            storage_layers=layout.num_storage_layers,
             num_heads=layout.num_heads,
             head_size_k=layout.head_size_k,
             head_size_v=layout.head_size_v,
+            strides=layout.strides,
         )
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields."""
-        return attrs.asdict(self)
+        """A JSON-ready dict of the fields (strides as a list)."""
+        return {**attrs.asdict(self), "strides": list(self.strides)}
 
 
 _SUMMARY_FIELDS: Final = tuple(f.name for f in attrs.fields(LayoutSummary))
+_SUMMARY_INTS: Final = ("block_size", "num_layers", "storage_layers", "num_heads",
+                        "head_size_k", "head_size_v")
 _INFO_KEYS: Final = frozenset({
     "kind", "spec_version", "agent_name", "agent_metadata", "mem_type", "device_id",
     "base_address", "nbytes", "layout", "geometry",
@@ -411,9 +439,14 @@ class PeerInfo:
         for key in ("order", "packing", "dtype"):
             if not isinstance(layout[key], str) or not layout[key]:
                 raise bad(f"layout {key} must be a non-empty string, got {layout[key]!r}")
-        for key in _SUMMARY_FIELDS[3:]:
+        for key in _SUMMARY_INTS:
             if _int(layout[key]) is None or not 1 <= layout[key] <= 1 << 31:
                 raise bad(f"layout {key} must be an int >= 1, got {layout[key]!r}")
+        strides = layout["strides"]
+        if not isinstance(strides, (list, tuple)) or len(strides) not in (5, 6) or not all(
+            _int(v) is not None and 0 <= v <= 1 << 62 for v in strides
+        ):
+            raise bad(f"layout strides must be a list of 5 or 6 ints >= 0, got {strides!r}")
         geometry = obj["geometry"]
         if not isinstance(geometry, Mapping) or set(geometry) != {
             "num_blocks", "block_stride", "region_offsets", "region_nbytes"
@@ -447,7 +480,8 @@ class PeerInfo:
             device_id=device_id,
             base_address=base,
             nbytes=nbytes,
-            layout=LayoutSummary(**{k: layout[k] for k in _SUMMARY_FIELDS}),
+            layout=LayoutSummary(**{k: layout[k] for k in _SUMMARY_FIELDS if k != "strides"},
+                                 strides=tuple(strides)),
             geometry=geom,
         )
 
@@ -458,8 +492,8 @@ def check_compatible(
     """Raise unless ``theirs`` can exchange KV with ``mine`` (HSK-003).
 
     Compares the spec major version, then the layout's order, packing, dtype, block size,
-    layer count, head sizes and (unless ``heterogeneous_heads``, for heterogeneous TP with
-    sliced descriptors) the head count.
+    layer and layer-storage counts, head sizes and (unless ``heterogeneous_heads``, for
+    heterogeneous TP with head-sliced descriptors) the head count. Strides are not compared.
 
     Raises:
         CompatibilityError: naming the first field that differs and both values (HSK-003).
@@ -473,7 +507,7 @@ def check_compatible(
             clause="HSK-003",
         )
     for key in _SUMMARY_FIELDS:
-        if key == "num_heads" and heterogeneous_heads:
+        if key == "strides" or (key == "num_heads" and heterogeneous_heads):
             continue
         a, b = getattr(mine.layout, key), getattr(theirs.layout, key)
         if a != b:

@@ -13,8 +13,9 @@ Prefill/decode disaggregation, as vLLM's NIXL connector does it:
   metadata once per peer, then READs and polls. A failed or timed-out READ ends as a failed
   receive with every block of it invalid, and the engine recomputes them (WRK-011, ERR-007).
 
-Ranks pair one to one (producer rank ``r`` serves consumer rank ``r``): both engines run
-the same TP size, checked at handshake (HSK-003).
+The engines may run different TP sizes: the hand-off carries every producer rank's
+:class:`PeerInfo`, and each consumer rank reads the producer ranks whose KV heads overlap its
+own (see :mod:`kvspec.backends.nixl._worker`); the model's head counts must agree (HSK-003).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Call order (checked against nixl 1.5.1 over UCX, host memory):
 2. ``register_memory(Nx3 array, mem_type)`` of the one KV region; keep the returned
    ``nixlRegDList`` for ``deregister_memory``.
 3. ``prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem_type)`` once for the local blocks,
-   slot-major (:meth:`BlockGeometry.descriptor_rows`): NIXL merges descriptors of a
+   run-major (:meth:`BlockGeometry.descriptor_rows`): NIXL merges descriptors of a
    transfer only when their indices are consecutive and their memory contiguous.
 4. Handshake: the peer's ``get_agent_metadata()`` bytes (NIXL's own serializer, never
    pickle) travel inside :class:`PeerInfo` (JSON); ``add_remote_agent(bytes)`` returns the
@@ -57,8 +57,8 @@ from ._descriptors import (
     BlockGeometry,
     LayoutSummary,
     MemKind,
+    BlockRuns,
     PeerInfo,
-    RegionSlices,
     check_compatible,
     descriptor_indices,
 )
@@ -186,7 +186,7 @@ class NixlResources:
 class _Peer:
     info: PeerInfo
     remote_handle: Any
-    local_key: RegionSlices
+    local_key: BlockRuns
     per_block: int
     lengths: tuple[int, ...]
 
@@ -221,8 +221,8 @@ class NixlEndpoint:
             (``kvspec.spec.SPEC_VERSION``), announced in :attr:`info` and compared at
             handshake (HSK-003). A parameter because backends import only
             :mod:`kvspec.protocols`.
-        slices: Sub-ranges of every region to build the default local descriptor list from
-            (None: whole regions). See :class:`~kvspec.backends.nixl.BlockGeometry`.
+        runs: The byte runs of a block to build the default local descriptor list from
+            (None: whole regions). See :data:`~kvspec.backends.nixl.BlockRuns`.
         backends: NIXL backends to create.
         clock: The clock of transfer deadlines (seconds, monotonic).
         progress_thread: Run NIXL's progress thread (the default). A rank whose blocks
@@ -246,7 +246,7 @@ class NixlEndpoint:
         layout: KVCacheLayout,
         *,
         spec_version: str,
-        slices: RegionSlices | None = None,
+        runs: BlockRuns | None = None,
         backends: Sequence[str] = ("UCX",),
         clock: Callable[[], float] = time.monotonic,
         progress_thread: bool = True,
@@ -282,7 +282,7 @@ class NixlEndpoint:
                 f"{layout.span_bytes} bytes", clause="LAY-008"
             )
         self._geometry = BlockGeometry.from_layout(layout)
-        default = self._geometry.check_slices(slices)
+        default = self._geometry.check_runs(runs)
         api = load_nixl()
 
         self.name = name
@@ -298,7 +298,7 @@ class NixlEndpoint:
         self._telemetry = bool(capture_telemetry)
         self._closed = False
         self._ids = itertools.count()
-        self._local: dict[RegionSlices, Any] = {}
+        self._local: dict[BlockRuns, Any] = {}
         self._peers: dict[str, _Peer] = {}
         self._handles: dict[int, tuple[NixlTransfer, Any]] = {}
         self._unreleased: list[Any] = []
@@ -375,7 +375,7 @@ class NixlEndpoint:
         for reads from that peer)."""
         with self._lock:
             if peer is None:
-                return self._geometry.regions_per_block * len(self._default)
+                return len(self._default)
             return self._peer(peer).per_block
 
     def resources(self) -> NixlResources:
@@ -396,15 +396,16 @@ class NixlEndpoint:
         self,
         info: PeerInfo,
         *,
-        local_slices: RegionSlices | None = None,
-        remote_slices: RegionSlices | None = None,
+        local_runs: BlockRuns | None = None,
+        remote_runs: BlockRuns | None = None,
     ) -> str:
         """Load a peer's NIXL metadata and prepare its block descriptors once (HSK-003).
 
-        ``local_slices``/``remote_slices`` narrow each region on either side (default: the
-        endpoint's slices locally, whole regions remotely); the two sides must then give
-        the same number of descriptors per block with the same lengths. With slices given
-        the head counts may differ (heterogeneous TP).
+        ``local_runs``/``remote_runs`` say which bytes of a block move, pairwise (default:
+        the endpoint's runs locally, whole regions remotely); the two sides must then give
+        the same number of descriptors per block with the same lengths. With runs given
+        the head counts may differ (heterogeneous TP, see
+        :func:`~kvspec.backends.nixl._heads.head_runs`).
 
         Returns:
             The peer's agent name, to pass to :meth:`start_read`.
@@ -430,19 +431,19 @@ class NixlEndpoint:
                 raise InvalidArgumentError(
                     f"peer {info.agent_name!r} is already added; remove_peer it first"
                 )
-            sliced = local_slices is not None or remote_slices is not None
+            sliced = local_runs is not None or remote_runs is not None
             check_compatible(self._info, info, heterogeneous_heads=sliced)
-            local_key = (self._default if local_slices is None
-                         else self._geometry.check_slices(local_slices))
-            remote_key = info.geometry.check_slices(remote_slices)
-            lengths = self._geometry.descriptor_lengths(local_key)
-            remote_lengths = info.geometry.descriptor_lengths(remote_key)
+            local_key = (self._default if local_runs is None
+                         else self._geometry.check_runs(local_runs))
+            remote_key = info.geometry.check_runs(remote_runs)
+            lengths = tuple(n for _, n in local_key)
+            remote_lengths = tuple(n for _, n in remote_key)
             if lengths != remote_lengths:
                 raise CompatibilityError(
                     f"block descriptors differ: agent {self.name!r} moves "
-                    f"{len(lengths)} descriptor(s) of {sorted(set(lengths))} bytes per block, "
+                    f"{len(lengths)} descriptor(s) of {sorted(set(lengths))[:4]} bytes per block, "
                     f"peer {info.agent_name!r} {len(remote_lengths)} of "
-                    f"{sorted(set(remote_lengths))} bytes; pass slices that match",
+                    f"{sorted(set(remote_lengths))[:4]} bytes; pass runs that match",
                     clause="HSK-003",
                 )
             self._local_handle(local_key)
@@ -724,7 +725,7 @@ class NixlEndpoint:
             )
         return entry
 
-    def _local_handle(self, key: RegionSlices) -> Any:
+    def _local_handle(self, key: BlockRuns) -> Any:
         handle = self._local.get(key)
         if handle is None:
             rows = self._geometry.descriptor_rows(self._base, self._device_id, key)
@@ -740,7 +741,7 @@ class NixlEndpoint:
             self._local[key] = handle
         return handle
 
-    def _drop_unused_local(self, key: RegionSlices) -> None:
+    def _drop_unused_local(self, key: BlockRuns) -> None:
         if key == getattr(self, "_default", key) or any(
             p.local_key == key for p in self._peers.values()
         ):

@@ -4,14 +4,18 @@
 (descriptors prepared once, one per block for block-outermost layouts, LAY-013); its
 :class:`PeerInfo` travels as the rank's handshake metadata (HSK-001, HSK-002).
 
-* Consumer: the first load from a producer engine adds the producer rank of the same
-  index as a peer (its NIXL agent metadata, compatibility checked, HSK-003); each load is
-  one prepared READ started in ``start_load_kv`` (WRK-004) and polled by ``get_finished``.
-  A READ that fails or passes ``transfer_timeout_s`` is reported in ``finished_recving`` and
-  ``failed_recving`` with all of its blocks invalid (WRK-011, ERR-007).
+* Consumer: the first load from a producer engine adds, as peers, the producer ranks
+  whose KV heads overlap this rank's (their NIXL agent metadata, compatibility checked,
+  HSK-003): the rank of the same index when both engines run the same TP size; with
+  heterogeneous TP (:mod:`._heads`) several producer ranks, each for its share of the
+  heads (2 -> 1), or one producer rank of which this rank reads its share (1 -> 2). A load
+  is one prepared READ per such producer rank, started in ``start_load_kv`` (WRK-004) and
+  polled by ``get_finished``; the request is reported once all of them finished. When one
+  fails or passes ``transfer_timeout_s``, the request is reported in ``finished_recving``
+  and ``failed_recving`` with all of its blocks invalid (WRK-011, ERR-007).
 * Producer: each handed-off request is reported in ``finished_sending`` once this rank got
-  the consumer's notification (NIXL delivers it when the READ completed), or at
-  ``free_timeout_s``.
+  a notification from every consumer rank that reads it (NIXL delivers one when a READ
+  completed; each says how many to expect), or at ``free_timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+import attrs
 import torch
 
 from kvspec.protocols import (
@@ -40,12 +45,43 @@ from kvspec.protocols import (
 )
 
 from ._descriptors import PeerInfo
+from ._heads import head_runs, overlap
 from ._scheduler import NixlLoad, NixlMetadata, NixlSettings
 from ._transport import NixlEndpoint, NixlTransfer, TransferState
 
 __all__ = ["NixlWorker"]
 
 _log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class _Source:
+    """A producer rank this rank reads from."""
+
+    agent: str
+    readers: int  # consumer ranks that read it: the notifications it waits for
+
+
+@attrs.define(eq=False)
+class _Load:
+    """One request's READs on this rank, reported once all of them finished."""
+
+    local_blocks: tuple[int, ...]
+    transfers: list[NixlTransfer]
+    failed: bool = False
+
+
+def _notification(request_id: str, readers: int) -> bytes:
+    return f"{request_id}|{readers}".encode()
+
+
+def _parse_notification(message: bytes) -> tuple[str, int]:
+    """``(request id, notifications expected)``; a message without a count expects one."""
+    text = message.decode(errors="replace")
+    rid, sep, count = text.rpartition("|")
+    if sep and count.isdigit() and 1 <= int(count) <= 1 << 16:
+        return rid, int(count)
+    return text, 1
 
 
 class NixlWorker(WorkerConnector):
@@ -71,10 +107,13 @@ class NixlWorker(WorkerConnector):
         self.endpoint: NixlEndpoint | None = None
         """The rank's NIXL endpoint, once ``register_kv_caches`` ran."""
         self._peer_infos: dict[str, Mapping[int, Mapping[str, object]]] = {}
-        self._peer_names: dict[str, str] = {}  # producer engine -> loaded agent name
-        self._reads: dict[str, NixlTransfer] = {}
+        self._sources: dict[str, tuple[_Source, ...]] = {}  # producer engine -> its ranks read
+        self._reads: dict[str, _Load] = {}
         self._failed_early: dict[str, tuple[int, ...]] = {}  # loads that never started
         self._sends: dict[str, float] = {}  # producer: request -> free deadline
+        # producer: request -> [notifications got, expected, first seen]; a notification
+        # may arrive before the step that names the request in ``sends``.
+        self._notes: dict[str, list[float]] = {}
         self._failed: frozenset[str] = frozenset()
         self._invalid: frozenset[int] = frozenset()
         self._counters: dict[str, int] = {}
@@ -159,11 +198,12 @@ class NixlWorker(WorkerConnector):
             return
         self._start(meta)
 
-    def _peer(self, engine_id: str) -> str:
-        """The agent name of ``engine_id``'s rank paired with this one, added once."""
-        name = self._peer_names.get(engine_id)
-        if name is not None:
-            return name
+    def _peer_sources(self, engine_id: str) -> tuple[_Source, ...]:
+        """The ranks of ``engine_id`` this rank reads, added as peers once: those whose
+        model heads overlap this rank's, each with the byte runs of the shared heads."""
+        sources = self._sources.get(engine_id)
+        if sources is not None:
+            return sources
         endpoint = self.endpoint
         ranks = self._peer_infos.get(engine_id)
         if endpoint is None or ranks is None:
@@ -171,15 +211,50 @@ class NixlWorker(WorkerConnector):
                 f"a load from engine {engine_id!r} before its peer information or before "
                 "register_kv_caches", clause="HSK-002",
             )
-        if self._rank not in ranks or len(ranks) != self._config.world_size:
+        producers = len(ranks)
+        if set(ranks) != set(range(producers)):
             raise CompatibilityError(
-                f"producer engine {engine_id!r} runs {len(ranks)} rank(s), this engine "
-                f"{self._config.world_size}: this backend pairs ranks one to one",
-                clause="HSK-003",
+                f"producer engine {engine_id!r} describes ranks {sorted(ranks)}; expected "
+                f"0 .. {producers - 1}", clause="HSK-003",
             )
-        name = endpoint.add_peer(PeerInfo.from_json(ranks[self._rank]))
-        self._peer_names[engine_id] = name
-        return name
+        mine = endpoint.info.layout
+        consumers = self._config.world_size
+        heads = consumers * mine.num_heads
+        my_heads = range(self._rank * mine.num_heads, (self._rank + 1) * mine.num_heads)
+        chosen: list[tuple[int, PeerInfo, range]] = []
+        for p in range(producers):
+            info = PeerInfo.from_json(ranks[p])
+            theirs = info.layout.num_heads
+            if theirs * producers != heads:
+                raise CompatibilityError(
+                    f"producer engine {engine_id!r} holds {theirs} KV head(s) on each of "
+                    f"{producers} rank(s), this engine {mine.num_heads} on each of "
+                    f"{consumers}: the models' {theirs * producers} and {heads} heads differ",
+                    clause="HSK-003",
+                )
+            their_heads = range(p * theirs, (p + 1) * theirs)
+            if overlap(my_heads, their_heads):
+                chosen.append((p, info, their_heads))
+        found: list[_Source] = []
+        try:
+            for p, info, their_heads in chosen:
+                local_runs, remote_runs = head_runs(
+                    mine, my_heads, info.layout, their_heads, endpoint.layout.element_size
+                )
+                name = endpoint.add_peer(info, local_runs=local_runs, remote_runs=remote_runs)
+                readers = sum(
+                    1 for c in range(consumers)
+                    if overlap(range(c * mine.num_heads, (c + 1) * mine.num_heads),
+                               their_heads)
+                )
+                found.append(_Source(name, readers))
+        except BaseException:
+            for source in found:  # all or nothing: a later load tries every rank again
+                endpoint.remove_peer(source.agent)
+            raise
+        sources = tuple(found)
+        self._sources[engine_id] = sources
+        return sources
 
     def _start(self, meta: NixlMetadata) -> None:
         self._started = True
@@ -200,7 +275,7 @@ class NixlWorker(WorkerConnector):
 
     def _read(self, endpoint: NixlEndpoint, load: NixlLoad) -> None:
         try:
-            peer = self._peer(load.engine_id)
+            sources = self._peer_sources(load.engine_id)
         except CompatibilityError:
             raise  # a misconfigured pair: fail loudly (HSK-003)
         except KVSpecError as e:  # the producer is unreachable (dead, or its agent gone)
@@ -209,27 +284,34 @@ class NixlWorker(WorkerConnector):
             if load.local_blocks:
                 self._failed_early[load.request_id] = load.local_blocks
             return
-        note = load.notification.encode()
         if not load.local_blocks:  # nothing to read: only free the producer's blocks
-            endpoint.send_notification(peer, note)
+            for source in sources:
+                endpoint.send_notification(
+                    source.agent, _notification(load.notification, source.readers)
+                )
             return
         if load.request_id in self._reads:
             raise InvalidArgumentError(
                 f"request {load.request_id!r} already has a READ in flight", clause="SCH-013"
             )
-        try:
-            transfer = endpoint.start_read(
-                peer, load.local_blocks, load.remote_blocks,
-                timeout=self._settings.transfer_timeout_s, notification=note,
-            )
-        except CompatibilityError:
-            raise
-        except KVSpecError as e:  # e.g. a block id outside the producer's budget
-            _log.warning("rank %d: READ of %s not started: %s", self._rank,
-                         load.request_id, e)
+        entry = _Load(load.local_blocks, [])
+        for source in sources:
+            try:
+                entry.transfers.append(endpoint.start_read(
+                    source.agent, load.local_blocks, load.remote_blocks,
+                    timeout=self._settings.transfer_timeout_s,
+                    notification=_notification(load.notification, source.readers),
+                ))
+            except CompatibilityError:
+                raise
+            except KVSpecError as e:  # e.g. a block id outside the producer's budget
+                _log.warning("rank %d: READ of %s from %s not started: %s", self._rank,
+                             load.request_id, source.agent, e)
+                entry.failed = True
+        if entry.transfers:  # reported once every READ that started has finished
+            self._reads[load.request_id] = entry
+        else:
             self._failed_early[load.request_id] = load.local_blocks
-            return
-        self._reads[load.request_id] = transfer
 
     def wait_for_save(self) -> None:
         """Return at once: the producer's blocks are read by the consumer, held by a
@@ -241,43 +323,55 @@ class NixlWorker(WorkerConnector):
     def get_finished(
         self, finished_req_ids: frozenset[str]
     ) -> tuple[frozenset[str], frozenset[str]]:
-        """Producer: hand-offs whose READ this rank was notified of, or whose
-        ``free_timeout_s`` passed (sending). Consumer: READs that finished, failed or timed
-        out (recving; failures also in ``failed_recving``). Each once (WRK-009, WRK-010)."""
+        """Producer: hand-offs of which this rank got a notification from every consumer
+        rank that reads it, or whose ``free_timeout_s`` passed (sending). Consumer: loads
+        whose READs all finished, failed or timed out (recving; failures also in
+        ``failed_recving``). Each once (WRK-009, WRK-010)."""
         endpoint = self.endpoint
         sending: set[str] = set()
         recving: set[str] = set(self._failed_early)
         failed: set[str] = set(self._failed_early)
         invalid: set[int] = {b for blocks in self._failed_early.values() for b in blocks}
         self._failed_early.clear()
+        now = time.monotonic()
         if endpoint is not None and not endpoint.closed:
             for messages in endpoint.notifications().values():
                 for message in messages:
-                    rid = message.decode(errors="replace")
-                    if self._sends.pop(rid, None) is not None:
-                        sending.add(rid)
-            for rid, transfer in list(self._reads.items()):
-                state = endpoint.poll(transfer)
-                if state is TransferState.IN_PROGRESS:
-                    continue
+                    rid, expected = _parse_notification(message)
+                    note = self._notes.setdefault(rid, [0, expected, now])
+                    note[0] += 1
+                    note[1] = max(note[1], expected)
+            for rid, entry in list(self._reads.items()):
+                states = [endpoint.poll(t) for t in entry.transfers]
+                if TransferState.IN_PROGRESS in states:
+                    continue  # its blocks are still being written: report all at once
                 del self._reads[rid]
                 recving.add(rid)
-                if state is TransferState.FAILED:
-                    _log.warning("rank %d: READ of %s failed: %s", self._rank, rid,
-                                 transfer.reason)
+                bad = [t for t in entry.transfers if t.state is TransferState.FAILED]
+                for transfer in bad:
+                    _log.warning("rank %d: READ of %s from %s failed: %s", self._rank, rid,
+                                 transfer.peer, transfer.reason)
+                if bad or entry.failed:
                     failed.add(rid)
-                    invalid.update(transfer.local_blocks)
-                    self._count(load_failures=len(transfer.local_blocks))
+                    invalid.update(entry.local_blocks)
+                    self._count(load_failures=len(entry.local_blocks))
                 else:
-                    self._count(blocks_loaded=len(transfer.local_blocks),
-                                bytes_loaded=transfer.nbytes)
-        now = time.monotonic()
+                    self._count(blocks_loaded=len(entry.local_blocks),
+                                bytes_loaded=sum(t.nbytes for t in entry.transfers))
         for rid, deadline in list(self._sends.items()):
-            if now >= deadline:
-                _log.warning("rank %d: no consumer read request %s within %.0f s; freeing",
-                             self._rank, rid, self._settings.free_timeout_s)
-                del self._sends[rid]
+            got = self._notes.get(rid)
+            if got is not None and got[0] >= got[1]:
+                del self._sends[rid], self._notes[rid]
                 sending.add(rid)
+            elif now >= deadline:
+                _log.warning("rank %d: not every consumer rank read request %s within "
+                             "%.0f s; freeing", self._rank, rid, self._settings.free_timeout_s)
+                del self._sends[rid]
+                self._notes.pop(rid, None)
+                sending.add(rid)
+        for rid, got in list(self._notes.items()):  # for requests this rank never sent
+            if rid not in self._sends and now - got[2] > self._settings.free_timeout_s:
+                del self._notes[rid]
         self._failed = frozenset(failed)
         self._invalid = frozenset(invalid)
         return frozenset(sending), frozenset(recving)
@@ -317,5 +411,6 @@ class NixlWorker(WorkerConnector):
             self.endpoint.close()
         self._reads.clear()
         self._sends.clear()
-        self._peer_names.clear()
+        self._notes.clear()
+        self._sources.clear()
         self._slot.clear()

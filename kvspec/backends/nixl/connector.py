@@ -43,7 +43,8 @@ class NixlConnector(ConnectorFactory):
     @property
     def capabilities(self) -> Capabilities:
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
-        one-to-one rank pairing (no heterogeneous TP yet)."""
+        heterogeneous TP (a consumer rank reads the producer ranks whose KV heads overlap its
+        own)."""
         return Capabilities(
             async_loads=True,
             delayed_free=True,
@@ -52,6 +53,7 @@ class NixlConnector(ConnectorFactory):
             accepts_split_kv=True,
             failure_reporting=FailureReporting.INVALID_BLOCKS,
             handles_preemptions=True,
+            heterogeneous_tp=True,
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

@@ -107,6 +107,34 @@ class TestEngine(ConformanceSuite):
                                           tmpdir=str(tmp_path / str(i)))
             assert decode.finished == ("pd-layout",)
 
+    @pytest.mark.kvspec_requires("heterogeneous_tp")
+    @pytest.mark.kvspec_clause("SCH-018", "SCH-016", "HSK-002", "HSK-003", "WRK-013", "EXE-008")
+    @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+    def test_two_engines_heterogeneous_tp(
+        self, prefill_tp: int, decode_tp: int, tmp_path: Path
+    ) -> None:
+        """Prefill at one TP size, decode at another: every decode rank must end up with
+        exactly the KV of the heads it holds (each decode layer's read is checked), and the
+        prefill ranks must hold their blocks until every decode rank that needs them has read
+        them (freed blocks are poisoned). The accepted layouts are shared between the two
+        directions; the engines' block budgets and capacities differ."""
+        wl = Workload([RequestSpec(f"hetero-{i}", tuple(range(5 * i, 5 * i + 11 + 4 * i)),
+                                   max_new_tokens=2, arrival_step=i) for i in range(2)],
+                      name="heterogeneous TP")
+        direction = 0 if prefill_tp > decode_tp else 1
+        cases = layout_cases(self.capabilities)
+        for i, (order, packing) in enumerate(cases):
+            if i % 2 != direction and len(cases) > 1:
+                continue
+            cfg = config_for(self.capabilities, order=order, packing=packing,
+                             page_padding=i % 3, prefix_caching=False)
+            prefill = attrs.evolve(cfg, tp_size=prefill_tp, extra_capacity=3 * (i % 2))
+            decode = attrs.evolve(cfg, tp_size=decode_tp, num_blocks=cfg.num_blocks + 8,
+                                  restridable=i % 2 == 0)
+            _, result = run_disaggregated(self.factory, wl, prefill=prefill, decode=decode,
+                                          tmpdir=str(tmp_path / str(i)))
+            assert set(result.finished) == {r.request_id for r in wl.requests}
+
     @pytest.mark.kvspec_clause("SCH-001", "SCH-005", "SCH-015", "SCH-020", "SCH-021", "SCH-022",
                                "SCH-023", "WRK-009", "WRK-013", "EXE-001")
     def test_random_workloads(self, kvspec_profile: str, tmp_path: Path) -> None:

@@ -276,3 +276,161 @@ def test_engine_recomputes_blocks_whose_read_failed(caplog: pytest.LogCaptureFix
     assert out.finished == ("r",)
     assert out.external_tokens["r"] == 0  # loaded tokens: none, all 20 were recomputed
     assert any("cannot reach engine" in rec.getMessage() for rec in caplog.records)
+
+
+# ------------------------------------------------------------------- heterogeneous TP
+
+HEADS = 4  # KV heads of the model; a rank of a TP-``t`` engine holds ``HEADS // t``
+
+
+def _ranks(role: TransferRole, engine: str, tp: int, order: StrideOrder, seed: int,
+           packing: KVPacking = KVPacking.CONCAT, **extra: Any
+           ) -> tuple[list[NixlWorker], KVCacheLayout, list[torch.Tensor]]:
+    config = EngineConfigView(engine_id=f"{engine}-{next(_ids)}", role=role, num_layers=2,
+                              block_size=BS, num_blocks=16, tp_size=tp, extra=extra)
+    layout = KVCacheLayout.contiguous(order, packing, torch.float16, 2, 16, BS, HEADS // tp, 8)
+    workers, buffers = [], []
+    for rank in range(tp):
+        gen = torch.Generator().manual_seed(seed + rank)
+        buf = torch.randint(0, 256, (layout.span_bytes,), dtype=torch.uint8, generator=gen)
+        view = layout.view(buf.view(layout.dtype))
+        worker = NixlWorker(config, rank)
+        worker.register_kv_caches({f"l{i}": view[i] for i in range(2)}, layout)
+        workers.append(worker)
+        buffers.append(buf)
+    return workers, layout, buffers
+
+
+def _rank_peers(workers: list[NixlWorker]) -> dict[int, dict[str, Any]]:
+    return {rank: _peers(w)[0] for rank, w in enumerate(workers)}
+
+
+def _heads_of(layout: KVCacheLayout, buf: torch.Tensor, block: int) -> torch.Tensor:
+    """Block ``block`` of every layer as ``(layer, [K/V,] head, token, channel)``."""
+    view = layout.view(buf.view(layout.dtype)).view(torch.int16)  # bits: NaN != NaN
+    return view[:, :, block] if layout.packing is KVPacking.SPLIT else view[:, block]
+
+
+def _model_heads(layout: KVCacheLayout, bufs: list[torch.Tensor], block: int) -> torch.Tensor:
+    """The model's heads of ``block``, gathered from every rank's buffer."""
+    dim = 2 if layout.packing is KVPacking.SPLIT else 1
+    return torch.cat([_heads_of(layout, b, block) for b in bufs], dim=dim)
+
+
+def _shutdown(*groups: list[NixlWorker]) -> None:
+    for group in groups:
+        for worker in group:
+            worker.shutdown()
+    for group in groups:
+        for worker in group:
+            assert worker.endpoint is not None and worker.endpoint.resources().total == 0
+
+
+@pytest.mark.parametrize("order,packing,runs", [
+    (StrideOrder.LBHNC, KVPacking.CONCAT, 2),  # HND: one run per layer
+    (StrideOrder.BLHNC, KVPacking.SPLIT, 4),  # one per layer and K/V half
+    (StrideOrder.LBNHC, KVPacking.CONCAT, 2 * BS),  # NHD: one per layer and token
+])
+def test_one_producer_rank_serves_two_consumer_ranks(
+    order: StrideOrder, packing: KVPacking, runs: int
+) -> None:
+    """1 -> 2: each consumer rank reads its half of the heads of the producer's blocks;
+    the producer frees only after both ranks' notifications."""
+    producers, layout_p, src = _ranks(TransferRole.PRODUCER, "prefill", 1, order, 10, packing)
+    consumers, layout_c, dst = _ranks(TransferRole.CONSUMER, "decode", 2, order, 20, packing)
+    try:
+        engine, pairs = "prefill", ((4, 1), (0, 2), (9, 15))
+        load = NixlLoad("d", engine, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), "p")
+        _step(producers[0], NixlMetadata(sends=("p",)))
+        _step(consumers[0], NixlMetadata(loads=(load,), peers={engine: _rank_peers(producers)}))
+        _until(consumers[0], "d", recv=True)
+        time.sleep(0.2)  # the notification of rank 0 has arrived: one of two
+        assert producers[0].get_finished(frozenset()) == (frozenset(), frozenset())
+        _step(consumers[1], NixlMetadata(loads=(load,), peers={engine: _rank_peers(producers)}))
+        _until(consumers[1], "d", recv=True)
+        _until(producers[0], "p", recv=False)
+        for local, remote in pairs:
+            assert torch.equal(_model_heads(layout_c, dst, local),
+                               _model_heads(layout_p, src, remote))
+        endpoint = consumers[1].endpoint
+        assert endpoint is not None and endpoint.descriptors_per_block(endpoint.peers[0]) == runs
+    finally:
+        _shutdown(consumers, producers)
+
+
+@pytest.mark.parametrize("order", [StrideOrder.LBHNC, StrideOrder.BHLNC, StrideOrder.BLNHC])
+def test_one_consumer_rank_reads_two_producer_ranks(order: StrideOrder) -> None:
+    """2 -> 1: the consumer rank reads each producer rank's heads into its own blocks, one
+    READ per producer rank, and reports the request once both finished."""
+    producers, layout_p, src = _ranks(TransferRole.PRODUCER, "prefill", 2, order, 30)
+    consumers, layout_c, dst = _ranks(TransferRole.CONSUMER, "decode", 1, order, 40)
+    try:
+        engine = "prefill"
+        for w in producers:
+            _step(w, NixlMetadata(sends=("p",)))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (7, 3), (0, 14), "p"),),
+                                         peers={engine: _rank_peers(producers)}))
+        _until(consumers[0], "d", recv=True)
+        assert consumers[0].get_failed_recving() == frozenset()
+        for w in producers:
+            _until(w, "p", recv=False)
+        for local, remote in ((7, 0), (3, 14)):
+            assert torch.equal(_model_heads(layout_c, dst, local),
+                               _model_heads(layout_p, src, remote))
+        stats = consumers[0].get_kv_connector_stats()
+        assert stats is not None and stats.counters["blocks_loaded"] == 2  # type: ignore[attr-defined]
+        assert stats.counters["bytes_loaded"] == 2 * layout_c.page_size_bytes * 2  # type: ignore[attr-defined]
+    finally:
+        _shutdown(consumers, producers)
+
+
+def test_a_dead_producer_rank_fails_the_whole_receive() -> None:
+    """2 -> 1 with producer rank 1 gone: the read of rank 0's heads alone does not make a
+    receive; it fails with every block invalid, and rank 0 is still notified."""
+    producers, _, _ = _ranks(TransferRole.PRODUCER, "prefill", 2, StrideOrder.LBHNC, 50)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.LBHNC, 60,
+                             nixl_transfer_timeout_s=2.0)
+    peers = _rank_peers(producers)
+    producers[1].shutdown()
+    try:
+        _step(producers[0], NixlMetadata(sends=("p",)))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", "e", (3, 5), (1, 2), "p"),),
+                                         peers={"e": peers}))
+        _until(consumers[0], "d", recv=True)
+        assert consumers[0].get_failed_recving() == {"d"}
+        assert consumers[0].get_block_ids_with_load_errors() == {3, 5}
+    finally:
+        _shutdown(consumers, producers)
+
+
+def test_a_notification_before_the_hand_off_step_is_kept() -> None:
+    """A consumer may read before the producer's workers see the step that names the
+    hand-off; the notification must still free the blocks then, not at the free timeout."""
+    producers, _, _ = _ranks(TransferRole.PRODUCER, "prefill", 1, StrideOrder.LBHNC, 70)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.LBHNC, 80)
+    try:
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", "e", (1,), (2,), "p"),),
+                                         peers={"e": _rank_peers(producers)}))
+        _until(consumers[0], "d", recv=True)
+        time.sleep(0.2)
+        assert producers[0].get_finished(frozenset()) == (frozenset(), frozenset())
+        _step(producers[0], NixlMetadata(sends=("p",)))
+        _until(producers[0], "p", recv=False, timeout=2.0)
+    finally:
+        _shutdown(consumers, producers)
+
+
+def test_models_with_different_head_counts_fail_the_handshake() -> None:
+    producers, _, _ = _ranks(TransferRole.PRODUCER, "prefill", 2, StrideOrder.LBHNC, 90)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 4, StrideOrder.LBHNC, 95)
+    peers = _rank_peers(producers)
+    peers[1] = json.loads(json.dumps(peers[1]))
+    peers[1]["layout"]["num_heads"] = 1  # rank 1 of a model with 3 heads
+    try:
+        with pytest.raises(CompatibilityError, match="heads differ"):
+            _step(consumers[2], NixlMetadata(loads=(NixlLoad("d", "e", (1,), (2,), "p"),),
+                                             peers={"e": peers}))
+        assert consumers[2].endpoint is not None
+        assert consumers[2].endpoint.resources().peers == 0
+    finally:
+        _shutdown(consumers, producers)

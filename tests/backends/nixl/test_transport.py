@@ -197,7 +197,7 @@ def test_nixl_merges_runs_of_consecutive_blocks() -> None:
 def test_descriptor_rows_follow_the_layout() -> None:
     layout = _layout("HND")
     geometry = BlockGeometry.from_layout(layout)
-    rows = geometry.descriptor_rows(1000, 0, geometry.check_slices(None))
+    rows = geometry.descriptor_rows(1000, 0, geometry.check_runs(None))
     assert rows.shape == (layout.num_blocks * layout.regions_per_block, 3)
     regions = layout.block_regions(range(layout.num_blocks))
     want = [(1000 + regions[b][r][0], regions[b][r][1], 0)
@@ -220,10 +220,12 @@ def test_sliced_descriptors_read_part_of_each_producer_page() -> None:
         with pytest.raises(CompatibilityError, match="num_heads"):
             p.consumer.add_peer(p.producer.info)
         half = producer_layout.region_nbytes // 2
+        regions = p.producer.geometry.region_offsets
         with pytest.raises(CompatibilityError, match="block descriptors differ"):
-            p.consumer.add_peer(p.producer.info, remote_slices=((0, half // 2),))
+            p.consumer.add_peer(p.producer.info,
+                                remote_runs=tuple((o, half // 2) for o in regions))
         assert p.consumer.resources().peers == 0
-        p.consumer.add_peer(p.producer.info, remote_slices=((half, half),))
+        p.consumer.add_peer(p.producer.info, remote_runs=tuple((o + half, half) for o in regions))
         t = p.consumer.start_read(p.peer, [0, 3], [5, 1], timeout=10)
         assert p.consumer.wait(t) is TransferState.DONE, t.reason
         for lb, rb in zip([0, 3], [5, 1]):
@@ -235,12 +237,15 @@ def test_sliced_descriptors_read_part_of_each_producer_page() -> None:
         p.producer.close()
 
 
-def test_bad_slices_are_rejected(pair: Pair) -> None:
+def test_bad_runs_are_rejected(pair: Pair) -> None:
     geometry = pair.consumer.geometry
-    for bad in [(), ((0, 0),), ((0, geometry.region_nbytes + 1),), ((8, 8), (0, 8)),
-                ((0, 8, 1),), "x"]:
+    size, second = geometry.region_nbytes, geometry.region_offsets[1]
+    for bad in [(), ((0, 0),), ((0, size + 1),), ((8, 8), (0, 16)), ((0, 8, 1),), "x",
+                ((-1, 8),), ((second - 8, 16),), ((size, 8),), ((0, 8),) * 2]:
         with pytest.raises(InvalidArgumentError):
-            geometry.check_slices(bad)  # type: ignore[arg-type]
+            geometry.check_runs(bad)  # type: ignore[arg-type]
+    # Out of order is fine (pair order is the caller's); every byte inside a region.
+    assert geometry.check_runs(((second, 8), (0, size))) == ((second, 8), (0, size))
 
 
 # ---------------------------------------------------------------------- handshake
@@ -527,8 +532,8 @@ def test_close_cancels_transfers_and_releases_everything() -> None:
     consumer = _endpoint(_name("decode"), torch.zeros(layout.span_bytes, dtype=torch.uint8),
                             layout)
     stalled = _stalled_peer(consumer)
-    peer = consumer.add_peer(stalled.info, local_slices=((0, 64), (64, 64)),
-                             remote_slices=((0, 64), (64, 64)))
+    peer = consumer.add_peer(stalled.info, local_runs=((0, 64), (64, 64)),
+                             remote_runs=((0, 64), (64, 64)))
     t = consumer.start_read(peer, [3], [4], timeout=30)
     res = consumer.resources()
     assert (res.registrations, res.local_dlists, res.remote_dlists, res.peers,
