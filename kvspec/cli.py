@@ -362,6 +362,7 @@ def _bench_nixl(args: argparse.Namespace) -> int:
         machine_info,
         run_nixl_bench,
     )
+    from .bench.nixl_tp import default_tp_points, format_tp_table, measure_tp_point
 
     blocks = args.blocks or (32 if args.quick else 256)
     layers = args.layers or (4 if args.quick else 32)
@@ -374,6 +375,14 @@ def _bench_nixl(args: argparse.Namespace) -> int:
     results = run_nixl_bench(default_points(blocks, layers), repeats=repeats,
                              warmup=1 if args.quick else 2, progress=progress)
     targets = check_nixl_targets(results)
+    tp_points = default_tp_points(32, 2) if args.quick else default_tp_points()
+    tp_results = []
+    for i, tp_point in enumerate(tp_points):
+        print(f"[TP {i + 1}/{len(tp_points)}] {tp_point.order} at TP 1->1, 2->1, 1->2, "
+              f"{tp_point.blocks} blocks x {tp_point.layers} layers", file=sys.stderr,
+              flush=True)
+        tp_results += measure_tp_point(tp_point, repeats=repeats,
+                                       warmup=1 if args.quick else 2)
     if args.svg:
         from .bench._svg import bar_chart
 
@@ -386,7 +395,8 @@ def _bench_nixl(args: argparse.Namespace) -> int:
         ))
     if args.json:
         json.dump({"kvspec_version": __version__, "machine": machine_info(),
-                   "results": [r.as_dict() for r in results], "targets": targets},
+                   "results": [r.as_dict() for r in results], "targets": targets,
+                   "tp": [r.as_dict() for r in tp_results]},
                   sys.stdout, indent=2)
         print()
         return 0
@@ -398,6 +408,11 @@ def _bench_nixl(args: argparse.Namespace) -> int:
     print(format_nixl_table(results))
     print()
     print("\n".join(targets))
+    print()
+    print("heterogeneous TP: the same model's KV, prefill TP -> decode TP; all decode ranks' "
+          "READs per request; vs TP 1 -> 1 = its time / this time, same run")
+    print()
+    print(format_tp_table(tp_results))
     return 0
 
 

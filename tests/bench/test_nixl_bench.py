@@ -27,7 +27,17 @@ def test_quick_json_reports_every_point_and_target(capsys: pytest.CaptureFixture
         assert r["descriptors"] == 32 * per_block
     assert len(data["targets"]) == 5
     assert all(t.endswith(("PASS", "MISS")) for t in data["targets"])
-    assert captured.err.count("\n") >= 4  # one progress line per point
+    assert captured.err.count("\n") >= 6  # one progress line per point
+    tp = data["tp"]
+    assert [(r["point"]["order"], r["prefill_tp"], r["decode_tp"]) for r in tp] == [
+        (order, p, d) for order in ("LBHNC", "LBNHC") for p, d in ((1, 1), (2, 1), (1, 2))]
+    for r in tp:
+        assert r["seconds"] > 0 and r["nbytes"] == 32 * 2 * 8 * 16 * 2 * 128 * 2
+        assert r["reads"] == 2 if (r["prefill_tp"], r["decode_tp"]) != (1, 1) else 1
+        # HND: one descriptor per layer and block per READ; NHD (sliced): per token too.
+        per_block = 2 if r["point"]["order"] == "LBHNC" or r["reads"] == 1 else 2 * 16
+        assert r["descriptors"] == r["reads"] * 32 * per_block
+    assert tp[0]["vs_same_tp"] == 1.0
 
 
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,3 +45,4 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "| layout" in out and "vs raw" in out and "target control-plane" in out
+    assert "heterogeneous TP" in out and "| LBHNC  | 2 -> 1" in out

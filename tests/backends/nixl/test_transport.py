@@ -365,6 +365,9 @@ def test_bad_read_arguments_raise_typed_errors(pair: Pair) -> None:
         c.start_read(peer, ["0"], [1], timeout=1)  # type: ignore[list-item]
     with pytest.raises(InvalidBlockIdError):
         c.start_read(peer, np.zeros((1, 1), dtype=np.int64), [1], timeout=1)
+    for bad in ([True], [1.0], [1 << 64], (2, 1 << 70)):  # the fast path refuses them too
+        with pytest.raises(InvalidBlockIdError):
+            c.start_read(peer, bad, [1] * len(bad), timeout=1)  # type: ignore[arg-type]
     for timeout in (-1, float("inf"), float("nan"), None, True):
         with pytest.raises(InvalidArgumentError, match="timeout"):
             c.start_read(peer, [0], [1], timeout=timeout)  # type: ignore[arg-type]
