@@ -71,6 +71,15 @@ class _Load:
     failed: bool = False
 
 
+@attrs.define
+class _Notes:
+    """Notifications a producer rank got for one request."""
+
+    got: int
+    expected: int
+    first_seen: float
+
+
 def _notification(request_id: str, readers: int) -> bytes:
     return f"{request_id}|{readers}".encode()
 
@@ -113,7 +122,7 @@ class NixlWorker(WorkerConnector):
         self._sends: dict[str, float] = {}  # producer: request -> free deadline
         # producer: request -> [notifications got, expected, first seen]; a notification
         # may arrive before the step that names the request in ``sends``.
-        self._notes: dict[str, list[float]] = {}
+        self._notes: dict[str, _Notes] = {}
         self._failed: frozenset[str] = frozenset()
         self._invalid: frozenset[int] = frozenset()
         self._counters: dict[str, int] = {}
@@ -338,9 +347,9 @@ class NixlWorker(WorkerConnector):
             for messages in endpoint.notifications().values():
                 for message in messages:
                     rid, expected = _parse_notification(message)
-                    note = self._notes.setdefault(rid, [0, expected, now])
-                    note[0] += 1
-                    note[1] = max(note[1], expected)
+                    note = self._notes.setdefault(rid, _Notes(0, expected, now))
+                    note.got += 1
+                    note.expected = max(note.expected, expected)
             for rid, entry in list(self._reads.items()):
                 states = [endpoint.poll(t) for t in entry.transfers]
                 if TransferState.IN_PROGRESS in states:
@@ -359,8 +368,8 @@ class NixlWorker(WorkerConnector):
                     self._count(blocks_loaded=len(entry.local_blocks),
                                 bytes_loaded=sum(t.nbytes for t in entry.transfers))
         for rid, deadline in list(self._sends.items()):
-            got = self._notes.get(rid)
-            if got is not None and got[0] >= got[1]:
+            notes = self._notes.get(rid)
+            if notes is not None and notes.got >= notes.expected:
                 del self._sends[rid], self._notes[rid]
                 sending.add(rid)
             elif now >= deadline:
@@ -369,8 +378,8 @@ class NixlWorker(WorkerConnector):
                 del self._sends[rid]
                 self._notes.pop(rid, None)
                 sending.add(rid)
-        for rid, got in list(self._notes.items()):  # for requests this rank never sent
-            if rid not in self._sends and now - got[2] > self._settings.free_timeout_s:
+        for rid, notes in list(self._notes.items()):  # for requests this rank never sent
+            if rid not in self._sends and now - notes.first_seen > self._settings.free_timeout_s:
                 del self._notes[rid]
         self._failed = frozenset(failed)
         self._invalid = frozenset(invalid)
