@@ -107,6 +107,10 @@ from .executor import (
 from .connector import (
     ConnectorFactory,
 )
+from ._loading import (
+    factory_spec,
+    load_factory,
+)
 
 __all__ = [
     "SPEC_VERSION",
@@ -173,8 +177,10 @@ __all__ = [
     "WorkerMetadata",
     "check_transition",
     "decode_json_envelope",
+    "factory_spec",
     "freeze_params",
     "thaw_params",
+    "load_factory",
     "negotiate_layout",
     "plan_forward",
     "resolve_graph_mode",

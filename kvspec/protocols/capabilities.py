@@ -72,6 +72,9 @@ class Capabilities:
         kv_cache_groups: Most KV-cache groups (hybrid models) the connector supports.
         custom_aggregator: The connector supplies its own executor aggregator (EXE-012).
         handles_preemptions: The connector implements ``handle_preemptions`` (WRK-012).
+        needs_token_rows: The connector addresses single tokens or channels inside a page
+            (partial-block copies, per-token reads). It cannot run on engines whose pages
+            are opaque (vLLM-CPU); layout negotiation refuses it there (LAY-014).
     """
 
     async_loads: bool = False
@@ -84,11 +87,12 @@ class Capabilities:
     kv_cache_groups: int = 1
     custom_aggregator: bool = False
     handles_preemptions: bool = False
+    needs_token_rows: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in (
             "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
-            "custom_aggregator", "handles_preemptions",
+            "custom_aggregator", "handles_preemptions", "needs_token_rows",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(
@@ -124,10 +128,12 @@ class Capabilities:
         """The connector's side of layout negotiation (LAY-010), from this declaration.
 
         Orders are ``accepted_layouts`` (empty: any); packings are both when
-        ``accepts_split_kv``, otherwise concatenated K/V only.
+        ``accepts_split_kv``, otherwise concatenated K/V only; ``needs_token_rows`` as
+        declared (LAY-014).
         """
         packings = () if self.accepts_split_kv else (KVPacking.CONCAT,)
-        return LayoutOffer("connector", self.accepted_layouts, packings)
+        return LayoutOffer("connector", self.accepted_layouts, packings,
+                           needs_token_rows=self.needs_token_rows)
 
     def describe(self) -> dict[str, object]:
         """Plain-data form for report headers and JSON reports."""

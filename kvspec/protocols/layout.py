@@ -257,6 +257,12 @@ class KVCacheLayout:
         shared_layers: Groups of layer indices whose KV lives in the same storage (sorted
             on construction). A group occupies one layer slot of the storage, assigned at
             its smallest member, and is moved once (LAY-011).
+        opaque_pages: True when the bytes of one (layer, block, head) page, its ``N`` x
+            ``C`` elements, are packed for the engine's kernels and are not token rows and
+            channels (vLLM-CPU stores K transposed, then V). Shapes and strides still say
+            where each page starts and how long it is; what lies inside has no address, so
+            only whole pages may be copied (LAY-014), and :meth:`byte_offset` refuses any
+            element but a page's first.
     """
 
     order: StrideOrder
@@ -272,8 +278,13 @@ class KVCacheLayout:
     strides: tuple[int, ...]
     restridable: bool = True
     shared_layers: tuple[tuple[int, ...], ...] = ()
+    opaque_pages: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.opaque_pages, bool):
+            raise InvalidArgumentError(
+                f"opaque_pages must be a bool, got {self.opaque_pages!r}", clause="LAY-014"
+            )
         if not isinstance(self.order, StrideOrder):
             raise InvalidArgumentError(
                 f"order must be a StrideOrder, got {self.order!r}", clause="LAY-001"
@@ -353,6 +364,7 @@ class KVCacheLayout:
         block_capacity: int | None = None,
         page_padding_elems: int = 0,
         restridable: bool = True,
+        opaque_pages: bool = False,
     ) -> KVCacheLayout:
         """The layout of a tensor allocated densely in the physical order ``order``.
 
@@ -411,6 +423,7 @@ class KVCacheLayout:
             head_size_v=hv,
             strides=tuple(stride[name] for name in _NAMES[packing]),
             restridable=restridable,
+            opaque_pages=opaque_pages,
         )
 
     @classmethod
@@ -426,6 +439,7 @@ class KVCacheLayout:
         restridable: bool = False,
         shared_layers: tuple[tuple[int, ...], ...] = (),
         order: StrideOrder | str | None = None,
+        opaque_pages: bool = False,
     ) -> KVCacheLayout:
         """Describe ``tensor``, given in storage shape ``(L, B, H, N, C)`` (CONCAT) or
         ``(L, 2, B, H, N, D)`` (SPLIT) with any strides.
@@ -452,7 +466,7 @@ class KVCacheLayout:
             tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, "tensor",
             packing=packing, num_blocks=num_blocks, num_heads=num_heads,
             head_size_k=head_size_k, head_size_v=head_size_v, restridable=restridable,
-            shared_layers=shared_layers, order=order,
+            shared_layers=shared_layers, order=order, opaque_pages=opaque_pages,
         )
 
     @classmethod
@@ -467,6 +481,7 @@ class KVCacheLayout:
         head_size_v: int | None = None,
         restridable: bool = False,
         order: StrideOrder | str | None = None,
+        opaque_pages: bool = False,
     ) -> KVCacheLayout:
         """Describe per-layer tensors, each of shape ``(B, H, N, C)`` (CONCAT) or
         ``(2, B, H, N, D)`` (SPLIT), that are views into one buffer.
@@ -538,6 +553,7 @@ class KVCacheLayout:
             packing=packing, num_blocks=num_blocks, num_heads=num_heads,
             head_size_k=head_size_k, head_size_v=head_size_v, restridable=restridable,
             shared_layers=tuple(tuple(g) for g in layers_of_slot if len(g) > 1), order=order,
+            opaque_pages=opaque_pages,
         )
 
     @classmethod
@@ -556,6 +572,7 @@ class KVCacheLayout:
         restridable: bool,
         shared_layers: tuple[tuple[int, ...], ...],
         order: StrideOrder | str | None,
+        opaque_pages: bool = False,
     ) -> KVCacheLayout:
         if not isinstance(packing, KVPacking):
             raise InvalidArgumentError(
@@ -628,6 +645,7 @@ class KVCacheLayout:
             strides=strides,
             restridable=restridable,
             shared_layers=groups,
+            opaque_pages=opaque_pages,
         )
 
     # ---------------------------------------------------------------- derived sizes
@@ -729,9 +747,12 @@ class KVCacheLayout:
         ``kv`` selects K (0) or V (1); ``elem`` indexes the channels of that head (for
         CONCAT, V starts at channel ``head_size_k``). ``block`` may be any index below
         ``block_capacity`` (LAY-003). Layers in a shared group give the same offset (LAY-011).
+        With :attr:`opaque_pages` only a page's first element (token 0, element 0, and K
+        unless K and V are split) has a meaningful address (LAY-014).
 
         Raises:
-            InvalidArgumentError: an index is not an int or out of range.
+            InvalidArgumentError: an index is not an int or out of range, or it addresses
+                the inside of an opaque page (LAY-014).
         """
         layer = _check_index("layer", layer, self.num_layers, "num_layers")
         block = _check_index("block", block, self.block_capacity, "block_capacity")
@@ -740,6 +761,13 @@ class KVCacheLayout:
         kv = _check_index("kv", kv, 2, "0 selects K, 1 selects V")
         width = self.head_size_v if kv else self.head_size_k
         elem = _check_index("elem", elem, width, "head_size_v" if kv else "head_size_k")
+        if self.opaque_pages and (token or elem or (kv and self.packing is KVPacking.CONCAT)):
+            raise InvalidArgumentError(
+                f"token {token}, kv {kv}, elem {elem} address the inside of an opaque page: "
+                "the engine packs each page for its kernels, so only a page's start (token 0, "
+                "elem 0, and kv 0 unless K and V are split) has an address; move whole pages",
+                clause="LAY-014",
+            )
         slot = self.layer_slots[layer] if self.shared_layers else layer
         if self.packing is KVPacking.SPLIT:
             index: tuple[int, ...] = (slot, kv, block, head, token, elem)

@@ -48,6 +48,10 @@ class LayoutOffer:
         packings: Accepted K/V packings, same convention.
         can_restride: False for a party that cannot re-stride or re-allocate its tensors
             (LAY-009); it must then offer exactly its one native order.
+        opaque_pages: The party packs each page for its kernels (vLLM-CPU's attention
+            backend): tokens and channels inside a page have no address (LAY-014).
+        needs_token_rows: The party (a connector) addresses tokens or channels inside a
+            page; it cannot agree with a party whose pages are opaque (LAY-014).
 
     Raises:
         InvalidArgumentError: on construction, if any of the above does not hold.
@@ -57,8 +61,15 @@ class LayoutOffer:
     orders: tuple[StrideOrder, ...] = ()
     packings: tuple[KVPacking, ...] = ()
     can_restride: bool = True
+    opaque_pages: bool = False
+    needs_token_rows: bool = False
 
     def __attrs_post_init__(self) -> None:
+        for flag in ("opaque_pages", "needs_token_rows"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidArgumentError(
+                    f"{flag} must be a bool, got {getattr(self, flag)!r}", clause="LAY-014"
+                )
         if not isinstance(self.party, str) or not self.party.strip():
             raise InvalidArgumentError(
                 f"party must be a non-empty str naming who offers, got {self.party!r}",
@@ -99,6 +110,8 @@ class ResolvedLayout:
             no party stated one (then the first order of :class:`StrideOrder`).
         offers: The offers it was resolved from: connector, attention backend, provider.
         packing_chosen_by: The same for the packing; defaults to ``chosen_by``.
+        opaque_pages: True when any offer's pages are opaque: the descriptor built for the
+            resolved layout must say so (LAY-014).
 
     Raises:
         InvalidArgumentError: on construction, if a field has the wrong type or an offer
@@ -111,6 +124,10 @@ class ResolvedLayout:
     offers: tuple[LayoutOffer, ...]
     packing_chosen_by: str = attrs.field(
         default=attrs.Factory(lambda self: self.chosen_by, takes_self=True)
+    )
+    opaque_pages: bool = attrs.field(
+        default=attrs.Factory(lambda self: any(o.opaque_pages for o in self.offers),
+                              takes_self=True)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -188,7 +205,8 @@ def negotiate_layout(
     The order is the first of the connector's preferences that the attention backend and
     the tensor provider accept; if the connector has no preference, the backend's
     preference leads, then the provider's; if nobody has one, the first
-    :class:`StrideOrder`. The packing is chosen the same way, independently.
+    :class:`StrideOrder`. The packing is chosen the same way, independently. A party that
+    needs token rows never agrees with a party whose pages are opaque (LAY-014).
 
     Raises:
         LayoutNegotiationError: no order or no packing satisfies all three; ``refusals``
@@ -209,6 +227,19 @@ def negotiate_layout(
     packing, packing_by, packing_refusals = _choose(
         offers, lambda o: o.packings, tuple(KVPacking), _packing_refusal
     )
+    rows = [o for o in offers if o.needs_token_rows]
+    opaque = [o for o in offers if o.opaque_pages]
+    if rows and opaque:
+        raise LayoutNegotiationError(
+            f"{', '.join(o.party for o in rows)} needs token rows inside pages, but the pages "
+            f"of {', '.join(o.party for o in opaque)} are opaque (packed for its kernels); "
+            "expected a connector that moves whole pages (LAY-014)",
+            refusals=tuple(
+                f"{o.party} refused token-row access: its pages are opaque, whole-page copies "
+                "only" for o in opaque
+            ),
+            clause="LAY-014",
+        )
     if order is None or packing is None:
         parties = ", ".join(o.party for o in offers)
         failed = [

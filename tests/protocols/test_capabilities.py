@@ -195,6 +195,7 @@ def test_describe_defaults() -> None:
         "kv_cache_groups": 1,
         "custom_aggregator": False,
         "handles_preemptions": False,
+        "needs_token_rows": False,
     }
 
 

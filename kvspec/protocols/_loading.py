@@ -1,0 +1,142 @@
+"""Loading a connector factory from its spec, the way engines and the suite receive it.
+
+A connector is named by a *spec*: an import path ``"pkg.module:Name"`` (the part after the
+colon may be a dotted attribute path, ``"pkg.module:Outer.Factory"``), a class with a
+no-argument constructor, or a factory instance. :func:`load_factory` accepts all three;
+:func:`factory_spec` goes back from an instance to an import path so that worker processes
+(the suite's, an engine's) can re-create the factory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from .capabilities import Capabilities
+from .connector import ConnectorFactory
+from .errors import InvalidArgumentError
+
+__all__ = ["factory_spec", "load_factory"]
+
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+_FACTORY_MEMBERS = ("name", "capabilities", "create_scheduler", "create_worker", "create_executor")
+
+
+def _import_attribute(spec: str) -> object:
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or ":" in attr_path or not _DOTTED.match(module_name) or not _DOTTED.match(attr_path):
+        raise InvalidArgumentError(
+            f"bad connector spec {spec!r}: expected 'package.module:Name' (an importable module, "
+            "one colon, then an attribute name or dotted attribute path)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise InvalidArgumentError(
+                f"bad connector spec {spec!r}: module {module_name!r} not found "
+                "(is it installed, or on sys.path?)"
+            ) from e
+        raise InvalidArgumentError(
+            f"bad connector spec {spec!r}: importing module {module_name!r} failed: {e}"
+        ) from e
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"bad connector spec {spec!r}: importing module {module_name!r} raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    obj: object = module
+    walked = module_name
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise InvalidArgumentError(
+                f"bad connector spec {spec!r}: {walked!r} has no attribute {part!r}"
+            ) from None
+        walked = f"{walked}.{part}" if walked != module_name else f"{module_name}:{part}"
+    return obj
+
+
+def load_factory(spec: str | ConnectorFactory | type) -> ConnectorFactory:
+    """Return the validated connector factory a spec names.
+
+    Args:
+        spec: ``"pkg.module:Name"`` (``Name`` may be a dotted attribute path; the attribute
+            may itself be a class or an instance), a class (instantiated with no arguments),
+            or a factory instance (used as is).
+
+    Returns:
+        An object that satisfies :class:`~kvspec.protocols.ConnectorFactory`, whose
+        ``capabilities`` is a :class:`~kvspec.protocols.Capabilities` and whose ``name`` is a
+        non-empty string.
+
+    Raises:
+        InvalidArgumentError: The spec is malformed, its module cannot be imported, the
+            attribute is missing, the class cannot be instantiated without arguments, or the
+            object is not a connector factory; the message says which.
+    """
+    where = repr(spec) if isinstance(spec, str) else f"{spec!r}"
+    obj: object = _import_attribute(spec) if isinstance(spec, str) else spec
+    if isinstance(obj, type):
+        cls = obj
+        try:
+            obj = cls()
+        except Exception as e:
+            raise InvalidArgumentError(
+                f"connector {where}: could not instantiate {cls.__qualname__} with no arguments: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+    missing = [m for m in _FACTORY_MEMBERS if not _has_member(obj, m)]
+    if missing:
+        raise InvalidArgumentError(
+            f"connector {where} is not a ConnectorFactory: {type(obj).__name__} lacks "
+            + ", ".join(missing)
+        )
+    try:
+        if not isinstance(obj, ConnectorFactory):  # pragma: no cover - same test as above
+            raise InvalidArgumentError(f"connector {where} is not a ConnectorFactory")
+        capabilities = obj.capabilities
+        name = obj.name
+    except InvalidArgumentError:
+        raise
+    except Exception as e:
+        raise InvalidArgumentError(
+            f"connector {where}: reading its name or capabilities raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(capabilities, Capabilities):
+        raise InvalidArgumentError(
+            f"connector {where}: capabilities must be a kvspec.protocols.Capabilities, got "
+            f"{type(capabilities).__name__}"
+        )
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"connector {where}: name must be a non-empty str, got {name!r}")
+    return obj
+
+
+def _has_member(obj: object, member: str) -> bool:
+    # Look the member up on the class first so that a property raising is reported as such
+    # (by the caller) rather than as a missing member.
+    return hasattr(type(obj), member) or member in getattr(obj, "__dict__", {})
+
+
+def factory_spec(factory: ConnectorFactory | type) -> str:
+    """Return the ``"module:QualName"`` import path of a factory's class.
+
+    Worker subprocesses re-create the factory from it with :func:`load_factory`, so the class
+    must be importable: defined at module level (or nested in module-level classes) in a
+    module other than ``__main__``, with a no-argument constructor.
+
+    Raises:
+        InvalidArgumentError: The class is not importable by name.
+    """
+    cls = factory if isinstance(factory, type) else type(factory)
+    module, qualname = cls.__module__, cls.__qualname__
+    if "<locals>" in qualname or module == "__main__":
+        raise InvalidArgumentError(
+            f"factory class {module}.{qualname} is not importable by name: define it at module "
+            "level in an importable module"
+        )
+    return f"{module}:{qualname}"

@@ -1,0 +1,147 @@
+"""One vLLM engine in this process, driven by JSON lines on stdin (see :mod:`kvspec.vllm.engine`).
+
+Run as ``python -m kvspec.vllm._serve``; the first line is the engine spec, each later line a
+command; each answer is one stdout line starting with ``KVSPEC-RESULT`` followed by JSON
+(vLLM's own logs go to the same streams and are ignored by the client). The engine is a tiny
+Llama with dummy weights written to a temporary directory, vLLM's prefix cache off by
+default, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is why each engine
+needs a process of its own. Commands:
+
+* ``{"op": "generate", "prompts": [[ids...]], "max_tokens": n, "kv_transfer_params":
+  [... or null], "ignore_eos": true}`` -> tokens, ``num_cached_tokens``, output
+  ``kv_transfer_params`` and per-request times;
+* ``{"op": "call", "fn": "pkg.mod:function", "args": {...}}`` -> ``function(llm, **args)``,
+  which must return JSON-ready data (tests use it to reach into the worker);
+* ``{"op": "overhead"}`` -> the adapter's translation time per role;
+* ``{"op": "exit"}``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+MARK = "KVSPEC-RESULT "
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+}
+
+
+def _answer(obj: Any) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    model_dir = tempfile.mkdtemp(prefix="kvspec-vllm-model-")
+    config = {**TINY_LLAMA, **spec.get("model", {})}
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+        dtype="float32", max_model_len=spec.get("max_model_len", 512),
+        max_num_seqs=spec.get("max_num_seqs", 4),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 512),
+        block_size=spec.get("block_size", 32),
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20), seed=0,
+        enable_prefix_caching=spec.get("prefix_caching", False),
+    )
+    factory = spec.get("factory")
+    if factory:
+        from kvspec.vllm import transfer_config
+
+        kwargs["kv_transfer_config"] = transfer_config(
+            factory, spec.get("kv_role", "kv_both"), engine_id=spec.get("engine_id"),
+            **spec.get("extra", {}))
+    elif spec.get("vllm_connector"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["vllm_connector"])
+    return LLM(**kwargs)
+
+
+def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = cmd["prompts"]
+    params = cmd.get("kv_transfer_params") or [None] * len(prompts)
+    sampling = []
+    for p in params:
+        extra = {"kv_transfer_params": p} if p is not None else None
+        sampling.append(SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0,
+                                       detokenize=False, ignore_eos=cmd.get("ignore_eos", True),
+                                       extra_args=extra))
+    results = []
+    for prompt, sp in zip(prompts, sampling):  # one at a time: per-request latency
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t0
+        metrics = getattr(out, "metrics", None)
+        results.append({
+            "tokens": list(out.outputs[0].token_ids),
+            "num_cached_tokens": out.num_cached_tokens,
+            "kv_transfer_params": out.kv_transfer_params,
+            "seconds": elapsed,
+            "ttft": getattr(metrics, "first_token_latency", None),
+        })
+    return {"results": results}
+
+
+def _overhead() -> dict[str, Any]:
+    from kvspec.vllm.connector import KVSpecConnector
+
+    out: dict[str, Any] = {}
+    for conn in KVSpecConnector.live():
+        role = "scheduler" if conn.kvspec_scheduler is not None else "worker"
+        out[role] = conn.adapter_overhead()
+    return out
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    try:
+        llm = _engine(spec)
+    except Exception as e:
+        _answer({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return 1
+    _answer({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "exit":
+                _answer({"bye": True})
+                break
+            if op == "generate":
+                _answer(_generate(llm, cmd))
+            elif op == "call":
+                module, _, name = cmd["fn"].partition(":")
+                fn = getattr(importlib.import_module(module), name)
+                _answer({"value": fn(llm, **cmd.get("args", {}))})
+            elif op == "overhead":
+                _answer({"value": _overhead()})
+            else:
+                _answer({"error": f"unknown op {op!r}"})
+        except Exception as e:
+            _answer({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""vLLM's scheduler objects as kvspec's read-only views, and outputs both ways.
+
+Every function reads plain attributes off the vLLM objects (``Request``,
+``KVCacheBlocks``, ``SchedulerOutput``, ``KVConnectorOutput``) without importing vLLM, so
+the translation is the same code whatever process it runs in. The views validate what they
+are given (ERR-002), so a vLLM object that breaks kvspec's assumptions fails here, typed,
+instead of deep inside a connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvspec.protocols import (
+    AllocatedBlocks,
+    CachedRequestView,
+    InvalidArgumentError,
+    KVCacheEvent,
+    KVConnectorOutput,
+    NewRequestView,
+    RequestStatus,
+    RequestView,
+    SchedulerOutputView,
+    SupportsAggregate,
+    thaw_params,
+)
+
+__all__ = [
+    "RequestCache",
+    "allocated_blocks",
+    "output_from_vllm",
+    "plain",
+    "request_status",
+]
+
+_STATUS = {
+    "WAITING_FOR_REMOTE_KVS": RequestStatus.WAITING_FOR_REMOTE_KV,
+    "RUNNING": RequestStatus.RUNNING,
+    "PREEMPTED": RequestStatus.PREEMPTED,
+    "FINISHED_ABORTED": RequestStatus.ABORTED,
+}
+
+
+def request_status(status: object) -> RequestStatus:
+    """vLLM's ``RequestStatus`` (by member name) as kvspec's: ``FINISHED_ABORTED`` is
+    ABORTED, every other ``FINISHED_*`` is FINISHED, the waiting variants are WAITING."""
+    name = getattr(status, "name", str(status))
+    found = _STATUS.get(name)
+    if found is not None:
+        return found
+    return RequestStatus.FINISHED if name.startswith("FINISHED") else RequestStatus.WAITING
+
+
+def allocated_blocks(block_ids: Iterable[Iterable[int]] | None, groups: int) -> AllocatedBlocks:
+    """Per-group block ids (vLLM's ``tuple[list[int], ...]``, or None for "no new
+    blocks") as :class:`AllocatedBlocks`."""
+    if block_ids is None:
+        return AllocatedBlocks(((),) * groups)
+    return AllocatedBlocks(block_ids)
+
+
+class RequestCache:
+    """The :class:`RequestView` of each live vLLM request, rebuilt only when it changed.
+
+    A view copies the prompt and the block hashes; a scheduler calls several hooks per
+    request per step, so the adapter keeps the last view per request id and reuses it while
+    the request's status, computed tokens, output length and hash count are unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[str, tuple[tuple[Any, ...], RequestView]] = {}
+
+    def view(self, request: Any) -> RequestView:
+        """The view of a vLLM ``Request`` now.
+
+        vLLM may count in-flight tokens of async scheduling in ``num_computed_tokens``
+        before they exist; the view caps it at the request's token count.
+
+        Raises:
+            InvalidArgumentError: the request breaks a view's validation (ERR-002), e.g. it
+                has no prompt token ids (prompt embeddings are not supported).
+        """
+        rid = request.request_id
+        outputs = request.output_token_ids
+        hashes = request.block_hashes
+        key = (request.status, request.num_computed_tokens, len(outputs), len(hashes),
+               id(request))
+        cached = self._views.get(rid)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        prompt = request.prompt_token_ids
+        if prompt is None:
+            raise InvalidArgumentError(
+                f"request {rid!r} has no prompt token ids (prompt embeddings); kvspec "
+                "connectors key KV by token ids", clause="ERR-002",
+            )
+        lora = request.lora_request
+        view = RequestView(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            output_token_ids=outputs,
+            block_hashes=hashes,
+            cache_salt=request.cache_salt,
+            lora_id=None if lora is None else lora.lora_int_id,
+            kv_transfer_params=request.kv_transfer_params,
+            status=request_status(request.status),
+            num_computed_tokens=min(request.num_computed_tokens,
+                                    len(prompt) + len(outputs)),
+        )
+        self._views[rid] = (key, view)
+        return view
+
+    def last(self, request_id: str) -> RequestView | None:
+        """The last view made of a request, if any."""
+        cached = self._views.get(request_id)
+        return None if cached is None else cached[1]
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's view."""
+        self._views.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def scheduler_output(self, so: Any, step_id: int, groups: int) -> SchedulerOutputView:
+        """A vLLM ``SchedulerOutput`` as a :class:`SchedulerOutputView` of step
+        ``step_id``. New requests use the request's last view (block hashes included),
+        updated with the step's computed-token count."""
+        new = []
+        for data in so.scheduled_new_reqs:
+            rid = data.req_id
+            last = self.last(rid)
+            if last is None:
+                last = RequestView(request_id=rid, prompt_token_ids=data.prompt_token_ids or (),
+                                   num_computed_tokens=data.num_computed_tokens)
+            new.append(NewRequestView(last, AllocatedBlocks(data.block_ids),
+                                      data.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        tokens = cached.new_token_ids
+        olds = []
+        for i, rid in enumerate(cached.req_ids):
+            olds.append(CachedRequestView(
+                request_id=rid,
+                new_blocks=allocated_blocks(cached.new_block_ids[i], groups),
+                num_computed_tokens=cached.num_computed_tokens[i],
+                new_token_ids=tokens[i] if i < len(tokens) else (),
+                resumed_from_preemption=rid in resumed,
+            ))
+        return SchedulerOutputView(
+            step_id=step_id,
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=olds,
+            num_scheduled_tokens=so.num_scheduled_tokens,
+            finished_req_ids=so.finished_req_ids,
+            preempted_req_ids=so.preempted_req_ids or (),
+        )
+
+
+def output_from_vllm(
+    out: Any,
+    stats: SupportsAggregate | None,
+    worker_metadata: SupportsAggregate | None,
+    events: tuple[KVCacheEvent, ...],
+) -> KVConnectorOutput:
+    """vLLM's aggregated ``KVConnectorOutput`` as kvspec's, with the stats, worker
+    metadata and events the adapter unwrapped from its own wire objects. The aggregate has
+    no expected-count override: vLLM's aggregator consumed it (EXE-008)."""
+    return KVConnectorOutput(
+        finished_sending=out.finished_sending or (),
+        finished_recving=out.finished_recving or (),
+        failed_recving=getattr(out, "failed_recving", None) or (),
+        invalid_block_ids=out.invalid_block_ids or (),
+        stats=stats,
+        events=events,
+        worker_metadata=worker_metadata,
+    )
+
+
+def plain(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Frozen kvspec parameters as the plain dict vLLM puts in a request's output."""
+    return None if params is None else dict(thaw_params(params))

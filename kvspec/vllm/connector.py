@@ -1,0 +1,434 @@
+"""``KVSpecConnector``: any kvspec connector, running inside vLLM as a V1 KV connector.
+
+vLLM builds one instance per role: in the engine core for its scheduler
+(``KVConnectorRole.SCHEDULER``) and in each worker process (``WORKER``). Each instance
+loads the kvspec factory named in the extra config and builds the matching kvspec role;
+every vLLM hook is translated into that role's hook, with vLLM's objects turned into
+kvspec's read-only views on the way in and kvspec's answers into vLLM's types on the way
+out. Where vLLM's order or objects differ from the spec, docs/spec/state-machines.md
+("The vLLM engine") records what vLLM does and which clause allows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvspec.protocols import (
+    CapabilityError,
+    ConnectorFactory,
+    ForwardContextView,
+    ForwardKind,
+    HandshakeMetadata,
+    HookGraphMode,
+    KVCacheEvent,
+    MetadataNotBoundError,
+    SchedulerConnector,
+    UnsupportedOperationError,
+    WorkerConnector,
+)
+
+from ._layout import describe_kv_caches, required_layout_name
+from ._settings import engine_config_view, factory_from_extra
+from ._translate import RequestCache, allocated_blocks, output_from_vllm, plain
+from ._wire import HandshakeWire, StatsWire, StepWire, WorkerMetaWire, metadata_type, \
+    to_vllm_events
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["KVSpecConnector"]
+
+log = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet[KVSpecConnector] = weakref.WeakSet()
+
+
+def _extra_of(vllm_config: Any) -> Any:
+    xfer = getattr(vllm_config, "kv_transfer_config", None)
+    return None if xfer is None else xfer.kv_connector_extra_config
+
+
+class _Clock:
+    """Time the adapter spends translating, per role, for ``adapter_overhead()``."""
+
+    __slots__ = ("calls", "ns", "steps")
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+        self.steps = 0
+
+
+class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """A vLLM ``KVConnectorBase_V1`` that runs the kvspec connector its config names.
+
+    Configure it the vLLM way::
+
+        KVTransferConfig(kv_connector="KVSpecConnector", kv_connector_module_path="kvspec.vllm",
+                         kv_role="kv_both",
+                         kv_connector_extra_config={"kvspec_factory": "pkg.mod:Factory", ...})
+
+    Every other key of the extra config reaches the factory as ``EngineConfigView.extra``.
+
+    Raises (at construction):
+        InvalidArgumentError: the factory spec or a vLLM setting is missing or malformed.
+        CapabilityError: the connector supplies its own executor aggregator, which vLLM has
+            no place for (EXE-012).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._factory: ConnectorFactory = factory_from_extra(_extra_of(vllm_config))
+        self._caps = self._factory.capabilities
+        self._config = engine_config_view(vllm_config, kv_cache_config)
+        self._groups = max(1, len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()))
+        self._clock = _Clock()
+        self._scheduler: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self._caps.custom_aggregator:
+                raise CapabilityError(
+                    f"connector {self._factory.name!r} declares custom_aggregator, but vLLM "
+                    "has no executor role: its fixed aggregator counts reports (EXE-012)",
+                    clause="EXE-012",
+                )
+            self._scheduler = self._factory.create_scheduler(self._config)
+            self._requests = RequestCache()
+            self._step = 0
+        else:
+            self._worker = self._factory.create_worker(self._config, self._rank())
+            self._layer_names: tuple[str, ...] = ()
+            self._views: dict[str, torch.Tensor] = {}
+            self._bound: StepWire | None = None
+            self._output_extra: tuple[Any, ...] | None = None
+        _LIVE.add(self)
+        log.info("kvspec connector %r runs as vLLM's %s-side KV connector (engine %s)",
+                 self._factory.name, role.name.lower(), self._config.engine_id)
+
+    @staticmethod
+    def _rank() -> int:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp = get_tp_group()
+        return int(get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group)
+
+    # -- introspection ------------------------------------------------------------------
+
+    @staticmethod
+    def live() -> tuple[KVSpecConnector, ...]:
+        """The instances alive in this process (both roles, when vLLM runs in one process)."""
+        return tuple(_LIVE)
+
+    @property
+    def kvspec_factory(self) -> ConnectorFactory:
+        """The kvspec factory this instance runs."""
+        return self._factory
+
+    @property
+    def kvspec_scheduler(self) -> SchedulerConnector | None:
+        """The kvspec scheduler role (scheduler-side instances), else None."""
+        return self._scheduler
+
+    @property
+    def kvspec_worker(self) -> WorkerConnector | None:
+        """The kvspec worker role (worker-side instances), else None."""
+        return self._worker
+
+    def adapter_overhead(self) -> dict[str, float]:
+        """Time this instance spent translating between vLLM and kvspec: total
+        microseconds, hook calls and engine steps seen, and microseconds per step."""
+        c = self._clock
+        return {"us": c.ns / 1e3, "calls": c.calls, "steps": c.steps,
+                "us_per_step": c.ns / 1e3 / max(1, c.steps)}
+
+    def _sched(self) -> SchedulerConnector:
+        assert self._scheduler is not None, "a scheduler hook was called on a worker instance"
+        return self._scheduler
+
+    def _work(self) -> WorkerConnector:
+        assert self._worker is not None, "a worker hook was called on a scheduler instance"
+        return self._worker
+
+    def _tick(self, t0: int) -> None:
+        self._clock.ns += time.perf_counter_ns() - t0
+        self._clock.calls += 1
+
+    # -- class-level declarations -------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The connector's most preferred stride order (LAY-010), or None."""
+        return required_layout_name(factory_from_extra(_extra_of(vllm_config)).capabilities)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True for connectors with per-layer hooks (GRA-002): vLLM captures no connector
+        hook with dummy metadata, so even CAPTURABLE hooks need PIECEWISE graphs there."""
+        caps = factory_from_extra(extra_config).capabilities
+        return caps.layer_hooks is not HookGraphMode.NO_LAYER_HOOKS
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> StatsWire | None:
+        """Rebuild shipped stats from their counters (vLLM's logger process)."""
+        return None if data is None else StatsWire(data)
+
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """vLLM 0.33: False. kvspec's contract registers the caches once (WRK-001) and has
+        no hook to drop and restore them, so vLLM must not free them under a connector."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33; never called, since :meth:`supports_sleep_mode` is False.
+
+        Raises:
+            UnsupportedOperationError: always (WRK-001).
+        """
+        raise UnsupportedOperationError(
+            "kvspec connectors register their KV caches once (WRK-001) and cannot drop "
+            "them; KVSpecConnector.supports_sleep_mode() is False", clause="WRK-001",
+        )
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """vLLM 0.33; never called, since :meth:`supports_sleep_mode` is False.
+
+        Raises:
+            UnsupportedOperationError: always (WRK-001).
+        """
+        self.unregister_kv_caches()
+
+    # -- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe vLLM's caches (opaque pages on vLLM-CPU, LAY-014), check the
+        connector accepts them (LAY-010) and register them with the worker role (WRK-001).
+        """
+        from vllm.platforms import current_platform
+
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        described = describe_kv_caches(
+            kv_caches, capabilities=self._caps, num_blocks=self._config.num_blocks,
+            num_heads=spec.num_kv_heads, block_size=spec.block_size, head_size=spec.head_size,
+            opaque_pages=bool(current_platform.is_cpu()),
+            vllm_layout=getattr(self._kv_cache_config, "kv_cache_layout", None),
+        )
+        self._views = dict(described.tensors)
+        self._layer_names = tuple(self._views)
+        self._work().register_kv_caches(described.tensors, described.layout)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Fence the step's preempted requests (WRK-012); vLLM calls it before binding."""
+        if isinstance(kv_connector_metadata, StepWire) and kv_connector_metadata.preempted:
+            self._work().handle_preemptions(kv_connector_metadata.preempted)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Decode the step's metadata with the connector's own decoder and bind it
+        (WRK-003, ERR-005)."""
+        t0 = time.perf_counter_ns()
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, StepWire):
+            raise MetadataNotBoundError(
+                f"KVSpecConnector received {type(connector_metadata).__name__} metadata; "
+                "expected the StepWire its scheduler side builds", clause="WRK-003",
+            )
+        meta = metadata_type(connector_metadata.meta_type).decode(connector_metadata.payload)
+        self._bound = connector_metadata
+        self._output_extra = None
+        self._clock.steps += 1
+        self._tick(t0)
+        self._work().bind_connector_metadata(meta)
+
+    def clear_connector_metadata(self) -> None:
+        """Unbind (WRK-003)."""
+        super().clear_connector_metadata()
+        if self._bound is not None:
+            self._bound = None
+            self._work().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start the bound step's loads. vLLM calls it before the forward in steps with
+        synchronous loads and after it otherwise (WRK-004)."""
+        if self._bound is None:
+            return  # DRY-001: no hook without metadata
+        t0 = time.perf_counter_ns()
+        view = ForwardContextView(ForwardKind.REAL, self._bound.step_id,
+                                  self._bound.num_tokens, self._layer_names)
+        self._tick(t0)
+        self._work().start_load_kv(view)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Per-layer hook (WRK-005), for connectors that declare per-layer hooks."""
+        if self._caps.has_layer_hooks:
+            self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Per-layer hook (WRK-006) with the layer's registered view of the cache."""
+        if self._caps.has_layer_hooks and self._bound is not None:
+            view = ForwardContextView(ForwardKind.REAL, self._bound.step_id,
+                                      self._bound.num_tokens, self._layer_names)
+            self._work().save_kv_layer(layer_name, self._views.get(layer_name, kv_layer), view)
+
+    def wait_for_save(self) -> None:
+        """Block until saves no longer read blocks the next step may reuse (WRK-007)."""
+        if self._bound is not None:
+            self._work().wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The worker role's output for this step (WRK-008..011): transfers here, the
+        rest kept for the output hooks vLLM calls next in the same step."""
+        out = self._work().build_connector_output(frozenset(finished_req_ids))
+        t0 = time.perf_counter_ns()
+        if out.expected_finished_count is not None:
+            raise UnsupportedOperationError(
+                f"connector {self._factory.name!r} reported expected_finished_count="
+                f"{out.expected_finished_count}; vLLM's aggregator takes the count only from "
+                "get_finished_count at start-up (EXE-008)", clause="EXE-008",
+            )
+        self._output_extra = (out.invalid_block_ids, StatsWire.of(out.stats),
+                              WorkerMetaWire(out.worker_metadata, out.events)
+                              if out.worker_metadata is not None or out.events else None)
+        results = KVConnectorTransferResults(
+            finished_sending=set(out.finished_sending),
+            finished_recving=set(out.finished_recving),
+            failed_recving=set(out.failed_recving),
+        )
+        self._tick(t0)
+        return results
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """For engines that call ``get_finished`` instead: the same output."""
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """This step's invalid blocks (WRK-011, EVT-003)."""
+        if self._worker is None:
+            return set()
+        return set(self._output_extra[0]) if self._output_extra else set()
+
+    def get_kv_connector_stats(self) -> StatsWire | None:
+        """This step's stats (EVT-006). vLLM asks the scheduler side too, which has none:
+        kvspec's scheduler role reports no stats of its own."""
+        if self._worker is None:
+            return None
+        return self._output_extra[1] if self._output_extra else None
+
+    def build_connector_worker_meta(self) -> WorkerMetaWire | None:
+        """This step's worker metadata and events, for the scheduler role (WRK-016,
+        EVT-004)."""
+        if self._worker is None:
+            return None
+        return self._output_extra[2] if self._output_extra else None
+
+    def get_handshake_metadata(self) -> HandshakeWire | None:
+        """The worker role's handshake metadata, as JSON (HSK-001)."""
+        hs = self._work().get_handshake_metadata()
+        return None if hs is None else HandshakeWire(hs.encode())
+
+    # -- scheduler side -----------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """A request arrived."""
+        t0 = time.perf_counter_ns()
+        view = self._requests.view(request)
+        self._tick(t0)
+        self._sched().on_new_request(view)
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """How many tokens beyond the computed ones the connector can load (SCH-001..007)."""
+        t0 = time.perf_counter_ns()
+        view = self._requests.view(request)
+        self._tick(t0)
+        return self._sched().get_num_new_matched_tokens(view, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """The blocks vLLM allocated for the request (SCH-008..010)."""
+        t0 = time.perf_counter_ns()
+        view = self._requests.view(request)
+        alloc = allocated_blocks(blocks.get_block_ids(), self._groups)
+        self._tick(t0)
+        self._sched().update_state_after_alloc(view, alloc, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepWire:
+        """The step's metadata, encoded by the connector (SCH-011..014, ERR-006)."""
+        t0 = time.perf_counter_ns()
+        view = self._requests.scheduler_output(scheduler_output, self._step, self._groups)
+        self._tick(t0)
+        meta = self._sched().build_connector_meta(view)
+        t0 = time.perf_counter_ns()
+        cls = type(meta)
+        wire = StepWire(meta.encode(), f"{cls.__module__}:{cls.__qualname__}", self._step,
+                        view.total_num_scheduled_tokens, view.preempted_req_ids)
+        self._step += 1
+        self._clock.steps += 1
+        self._tick(t0)
+        return wire
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The request ended; delay the free or not, and the hand-off params (SCH-015..018)."""
+        t0 = time.perf_counter_ns()
+        view = self._requests.view(request)
+        self._requests.forget(view.request_id)
+        self._tick(t0)
+        delay, params = self._sched().request_finished(view, tuple(block_ids))
+        return bool(delay), plain(params)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA engines' form of :meth:`request_finished`: the first group's blocks."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' aggregated output of one step (SCH-019)."""
+        t0 = time.perf_counter_ns()
+        stats = connector_output.kv_connector_stats
+        meta = connector_output.kv_connector_worker_meta
+        events: tuple[KVCacheEvent, ...] = ()
+        worker_metadata = None
+        if isinstance(meta, WorkerMetaWire):
+            events, worker_metadata = meta.events, meta.metadata
+        out = output_from_vllm(connector_output,
+                               stats.kvspec if isinstance(stats, StatsWire) else None,
+                               worker_metadata, events)
+        self._tick(t0)
+        self._sched().update_connector_output(out)
+
+    def take_events(self) -> Iterable[Any]:
+        """The scheduler role's KV-cache events, as vLLM's (EVT-004)."""
+        return to_vllm_events(self._sched().take_events())
+
+    def get_finished_count(self) -> int | None:
+        """The scheduler role's expected report count (SCH-026, EXE-008)."""
+        return self._sched().get_finished_count()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Every rank's handshake metadata, decoded defensively (HSK-002, HSK-005)."""
+        decoded = {rank: HandshakeMetadata.decode(m.data) for rank, m in metadata.items()
+                   if isinstance(m, HandshakeWire)}
+        self._sched().set_xfer_handshake_metadata(decoded)
+
+    # -- both ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shut the kvspec role down (SCH-027, WRK-015)."""
+        role = self._scheduler if self._scheduler is not None else self._worker
+        if role is not None:
+            role.shutdown()
