@@ -37,12 +37,14 @@ def __getattr__(name: str) -> Any:
 
 
 def transfer_config(factory: str, kv_role: str = "kv_both", *, engine_id: str | None = None,
-                    **extra: Any) -> Any:
+                    kv_load_failure_policy: str = "recompute", **extra: Any) -> Any:
     """A vLLM ``KVTransferConfig`` that runs the kvspec connector ``factory``
     (``"pkg.module:Factory"``) through :class:`KVSpecConnector`.
 
     ``kv_role`` is vLLM's (``"kv_producer"``, ``"kv_consumer"`` or ``"kv_both"``);
-    ``extra`` becomes the factory's ``EngineConfigView.extra``.
+    ``extra`` becomes the factory's ``EngineConfigView.extra``. ``kv_load_failure_policy``
+    defaults to ``"recompute"``, what the spec requires of an engine (SCH-024); vLLM's own
+    default, ``"fail"``, ends a request whose load failed with an error instead.
 
     Raises:
         InvalidArgumentError: ``factory`` cannot be loaded or ``kv_role`` is unknown.
@@ -58,5 +60,6 @@ def transfer_config(factory: str, kv_role: str = "kv_both", *, engine_id: str | 
         kwargs["engine_id"] = engine_id
     return KVTransferConfig(
         kv_connector="KVSpecConnector", kv_connector_module_path="kvspec.vllm",
-        kv_role=kv_role, kv_connector_extra_config={FACTORY_KEY: factory, **extra}, **kwargs,
+        kv_role=kv_role, kv_connector_extra_config={FACTORY_KEY: factory, **extra},
+        kv_load_failure_policy=kv_load_failure_policy, **kwargs,
     )

@@ -33,6 +33,7 @@ from kvspec.protocols import (
     HandshakeMetadata,
     HookGraphMode,
     KVCacheEvent,
+    KVCacheLayout,
     MetadataNotBoundError,
     SchedulerConnector,
     UnsupportedOperationError,
@@ -112,9 +113,15 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker = self._factory.create_worker(self._config, self._rank())
             self._layer_names: tuple[str, ...] = ()
             self._views: dict[str, torch.Tensor] = {}
+            self._layout: KVCacheLayout | None = None
             self._bound: StepWire | None = None
             self._output_extra: tuple[Any, ...] | None = None
         _LIVE.add(self)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            log.warning("kv_load_failure_policy=%r: vLLM fails a request whose KV load failed "
+                        "instead of recomputing its invalid blocks (kvspec SCH-024); use "
+                        "'recompute' (kvspec.vllm.transfer_config's default)", policy)
         log.info("kvspec connector %r runs as vLLM's %s-side KV connector (engine %s)",
                  self._factory.name, role.name.lower(), self._config.engine_id)
 
@@ -146,6 +153,17 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def kvspec_worker(self) -> WorkerConnector | None:
         """The kvspec worker role (worker-side instances), else None."""
         return self._worker
+
+    @property
+    def registered_kv_caches(self) -> dict[str, torch.Tensor]:
+        """The caches as the worker role received them (kvspec's storage shape, views of
+        vLLM's tensors), by layer name; empty before ``register_kv_caches``."""
+        return dict(getattr(self, "_views", {}))
+
+    @property
+    def registered_layout(self) -> KVCacheLayout | None:
+        """The layout descriptor the worker role received, or None."""
+        return getattr(self, "_layout", None)
 
     def adapter_overhead(self) -> dict[str, float]:
         """Time this instance spent translating between vLLM and kvspec: total
@@ -226,6 +244,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             vllm_layout=getattr(self._kv_cache_config, "kv_cache_layout", None),
         )
         self._views = dict(described.tensors)
+        self._layout = described.layout
         self._layer_names = tuple(self._views)
         self._work().register_kv_caches(described.tensors, described.layout)
 

