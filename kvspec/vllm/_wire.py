@@ -145,7 +145,7 @@ class StatsWire(KVConnectorStats):  # type: ignore[misc]
 
     def reset(self) -> None:
         """Forget every counter."""
-        self.data = {}
+        self.data: dict[str, Any] = {}
         self.kvspec = None
 
     def aggregate(self, other: KVConnectorStats) -> StatsWire:
@@ -154,7 +154,7 @@ class StatsWire(KVConnectorStats):  # type: ignore[misc]
         theirs = other.kvspec if isinstance(other, StatsWire) else None
         if self.kvspec is not None and theirs is not None:
             return StatsWire.of(self.kvspec.aggregate(theirs)) or StatsWire()
-        data = dict(self.data)
+        data: dict[str, Any] = dict(self.data)
         for key, value in (other.data or {}).items():
             data[key] = _number(data.get(key, 0)) + _number(value)
         return StatsWire(data)

@@ -42,7 +42,8 @@ def vllm_python() -> str | None:
         return env
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:  # not a namespace package of that name
         return sys.executable
     local = _ROOT / ".venv-vllm" / "bin" / "python"
     return str(local) if local.exists() else None
@@ -136,12 +137,12 @@ class EngineProcess:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
                  kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
-                 timeout_s: float = 300.0) -> list[dict[str, Any]]:
-        """Generate greedily for each prompt (token ids), one request at a time; returns
-        per request ``tokens``, ``num_cached_tokens``, ``kv_transfer_params``,
-        ``seconds``."""
+                 batch: bool = False, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Generate greedily for each prompt (token ids), one request at a time (or all at
+        once with ``batch``); returns per request ``tokens``, ``num_cached_tokens``,
+        ``kv_transfer_params``, ``seconds``."""
         self._send({"op": "generate", "prompts": [list(p) for p in prompts],
-                    "max_tokens": max_tokens,
+                    "max_tokens": max_tokens, "batch": batch,
                     "kv_transfer_params": list(kv_transfer_params)
                     if kv_transfer_params is not None else None})
         results: list[dict[str, Any]] = self._receive(timeout_s, "generate")["results"]

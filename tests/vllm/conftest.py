@@ -29,7 +29,10 @@ MAX_TOKENS = 8
 
 
 def _have_vllm() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    # This directory is itself named vllm: on sys.path's tests/ it would be found as a
+    # namespace package (no origin), which is not vLLM.
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
