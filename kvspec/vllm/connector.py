@@ -204,7 +204,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None if data is None else StatsWire(data)
 
     @classmethod
-    def supports_sleep_mode(cls) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
         """vLLM 0.33: False. kvspec's contract registers the caches once (WRK-001) and has
         no hook to drop and restore them, so vLLM must not free them under a connector."""
         return False
@@ -220,7 +220,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "them; KVSpecConnector.supports_sleep_mode() is False", clause="WRK-001",
         )
 
-    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+    def restore_kv_caches(self) -> None:
         """vLLM 0.33; never called, since :meth:`supports_sleep_mode` is False.
 
         Raises:

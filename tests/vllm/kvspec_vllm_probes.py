@@ -88,3 +88,19 @@ def abort_while_loading(llm: Any, prompt: list[int], settle_s: float = 0.5) -> d
     return {"was_loading": seen_waiting, "steps_after_abort": steps,
             "unfinished": bool(engine.has_unfinished_requests()),
             "live_requests": len(scheduler.requests)}
+
+
+class TokenRowsOffload:
+    """The offload backend declaring ``needs_token_rows``: vLLM-CPU must refuse it (LAY-014)."""
+
+    def __new__(cls) -> Any:
+        import attrs
+
+        from kvspec.backends.offload import OffloadConnector
+
+        class _TokenRows(OffloadConnector):
+            @property
+            def capabilities(self) -> Any:
+                return attrs.evolve(super().capabilities, needs_token_rows=True)
+
+        return _TokenRows()

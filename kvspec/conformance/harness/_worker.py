@@ -124,16 +124,27 @@ class WorkerRuntime:
         ctx = ForwardContextView(kind, msg["step"], size or tokens, self.layer_names)
         self.connector.bind_connector_metadata(meta)
         plan = self._plan(kind)
-        if plan.start_load:
+        # Both orders the spec allows, on alternate steps, so a certified connector works
+        # under either: vLLM 0.32 starts the loads of a step without synchronous loads
+        # after the forward (WRK-004) and collects the output before the clear (WRK-008).
+        odd = msg["step"] % 2 == 1
+        late_start = odd and not msg.get("sync_loads", True)
+        if plan.start_load and not late_start:
             self.connector.start_load_kv(ctx)
         calls = self.hook_calls
         if reqs:
             self._forward(kind, size or tokens, ctx)
         lost = self._lost_hooks(plan, self.hook_calls - calls, bool(reqs))
+        if plan.start_load and late_start:
+            self.connector.start_load_kv(ctx)
         if plan.wait_for_save:
             self.connector.wait_for_save()
-        self.connector.clear_connector_metadata()
-        out = self.connector.build_connector_output(frozenset(msg["finished"]))
+        if odd:
+            out = self.connector.build_connector_output(frozenset(msg["finished"]))
+            self.connector.clear_connector_metadata()
+        else:
+            self.connector.clear_connector_metadata()
+            out = self.connector.build_connector_output(frozenset(msg["finished"]))
         violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
         return out, violations
 

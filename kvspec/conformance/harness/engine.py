@@ -195,6 +195,7 @@ class Engine:
         self._finished_ids: list[str] = []
         self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]],
                               list[dict[str, Any]]] | None = None
+        self._sync_loads = False
         self._seeds: set[int] = set()
         self._events: list[KVCacheEvent] = []
         self._external: dict[str, int] = {}
@@ -346,6 +347,7 @@ class Engine:
             self._inflight = None
         msg = {
             "step": self.step_id,
+            "sync_loads": self._sync_loads,
             "poison_freed": self._take(self._poison_freed),
             "poison_alloc": self._take(self._poison_alloc),
             "preempted": sorted(out_view.preempted_req_ids),
@@ -371,6 +373,7 @@ class Engine:
 
     def _schedule(self) -> tuple[SchedulerOutputView, list[dict[str, Any]]]:
         budget = self.config.max_tokens_per_step
+        self._sync_loads = False  # WRK-004: does this step compute a request loaded synchronously?
         new: list[NewRequestView] = []
         cached: list[CachedRequestView] = []
         counts: dict[str, int] = {}
@@ -429,6 +432,7 @@ class Engine:
             self._update_after_alloc(r, ext)
             if ext:
                 self._external[r.rid] = self._external.get(r.rid, 0) + ext
+                self._sync_loads = True
             self.waiting.remove(r)
             self._transition(r, _S.RUNNING)
             self.running.append(r)
@@ -661,7 +665,8 @@ class Engine:
             self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
         except ReportError as e:
             self._violate(e.clause or "EXE-008", e.message, "consistent reports")
-        self._timed("update_connector_output", self.scheduler.update_connector_output, agg)
+        if not agg.is_empty():  # SCH-019: engines may skip empty outputs, as vLLM 0.32 does
+            self._timed("update_connector_output", self.scheduler.update_connector_output, agg)
         for ev in self.scheduler.take_events():
             if not isinstance(ev, KVCacheEvent.__args__):  # type: ignore[attr-defined]
                 self._violate("EVT-005", f"take_events yielded {ev!r}", "KV-cache event objects")

@@ -1,0 +1,145 @@
+"""The call recorder and the order checker: what it accepts, what it catches, and that the
+reference harness's own order passes it (the vLLM side is in tests/vllm/test_call_order.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvspec.conformance.connectors.layerwise import LayerwiseStorageConnector
+from kvspec.conformance.connectors.shared_storage import SharedStorageConnector
+from kvspec.conformance.harness import Engine, HarnessConfig
+from kvspec.conformance.harness.scenarios import SCENARIOS
+from kvspec.conformance.recording import (
+    Call,
+    RecordingConnector,
+    check_call_order,
+    read_calls,
+)
+from kvspec.protocols import InvalidArgumentError
+
+L = ["l0", "l1"]
+
+
+def _calls(*rows: tuple[str, str, dict[str, Any]]) -> list[Call]:
+    return [Call(i, role, 0 if role == "worker" else None, hook, fields)
+            for i, (role, hook, fields) in enumerate(rows)]
+
+
+def _step(step: int, *, late: bool = False, output_after_clear: bool = False,
+          layers: bool = True) -> list[tuple[str, str, dict[str, Any]]]:
+    w: list[tuple[str, str, dict[str, Any]]] = [("worker", "bind_connector_metadata", {})]
+    start = ("worker", "start_load_kv", {"step": step})
+    if not late:
+        w.append(start)
+    if layers:
+        for name in L:
+            w += [("worker", "wait_for_layer_load", {"layer": name}),
+                  ("worker", "save_kv_layer", {"layer": name, "step": step})]
+    if late:
+        w.append(start)
+    w.append(("worker", "wait_for_save", {}))
+    out = ("worker", "build_connector_output", {"recving": []})
+    clear = ("worker", "clear_connector_metadata", {})
+    return w + ([clear, out] if output_after_clear else [out, clear])
+
+
+def _engine_run(*steps: list[tuple[str, str, dict[str, Any]]],
+                sync_step: int | None = None) -> list[Call]:
+    rows: list[tuple[str, str, dict[str, Any]]] = [
+        ("worker", "register_kv_caches", {"layers": L}),
+        ("scheduler", "on_new_request", {"req": "r"}),
+        ("scheduler", "get_num_new_matched_tokens",
+         {"req": "r", "count": 32 if sync_step is not None else 0, "load_async": False}),
+        ("scheduler", "update_state_after_alloc",
+         {"req": "r", "external": 32 if sync_step is not None else 0}),
+    ]
+    for i, step in enumerate(steps):
+        rows.append(("scheduler", "build_connector_meta",
+                     {"step": i, "new": ["r"] if i == 0 else []}))
+        rows += step
+    rows += [("scheduler", "request_finished", {"req": "r"}), ("worker", "shutdown", {}),
+             ("scheduler", "shutdown", {})]
+    return _calls(*rows)
+
+
+def test_both_allowed_orders_pass() -> None:
+    """WRK-004 WRK-008: late start without sync loads, output before or after the clear."""
+    calls = _engine_run(_step(0), _step(1, late=True), _step(2, output_after_clear=True),
+                        _step(3, layers=False))
+    assert check_call_order(calls) == []
+
+
+@pytest.mark.parametrize("steps,sync,clause", [
+    ([_step(0, late=True)], 0, "WRK-004"),  # a synchronous load must start before the layers
+    ([_step(0)[:1] + _step(0)[3:5] + _step(0)[1:3] + _step(0)[5:]], None, "WRK-004"),
+    ([_step(0)[:1] + _step(0)[1:2] * 2 + _step(0)[2:]], None, "WRK-004"),  # started twice
+    ([_step(0)[:-2] + _step(0)[-1:]], None, "WRK-008"),  # no output for the step
+    ([_step(0) + [("worker", "build_connector_output", {})]], None, "WRK-008"),  # two
+    ([[r for r in _step(0) if r[1] != "wait_for_save"]], None, "WRK-007"),
+    ([[_step(0)[0]] + [r for r in _step(0)[1:] if r[1] != "clear_connector_metadata"]
+      + _step(1)], None, "WRK-003"),
+    ([[("worker", "start_load_kv", {"step": 0})] + _step(0)[2:]], None, "DRY-001"),
+    ([[("worker", "bind_connector_metadata", {}), ("worker", "handle_preemptions", {})]
+      + _step(0)[1:]], None, "WRK-012"),
+    ([_step(0)[:3] + [("worker", "save_kv_layer", {"layer": "l0"})] + _step(0)[3:]], None,
+     "WRK-005"),
+])
+def test_violations_are_caught_with_their_clause(
+        steps: list[list[tuple[str, str, dict[str, Any]]]], sync: int | None,
+        clause: str) -> None:
+    found = check_call_order(_engine_run(*steps, sync_step=sync))
+    assert clause in {v.clause for v in found}, found
+
+
+def test_scheduler_violations() -> None:
+    calls = _calls(
+        ("scheduler", "get_num_new_matched_tokens", {"req": "a", "count": 0}),  # SCH-001
+        ("scheduler", "on_new_request", {"req": "b"}),
+        ("scheduler", "update_state_after_alloc", {"req": "b", "external": 0}),  # SCH-008
+        ("scheduler", "build_connector_meta", {"step": 1}),  # SCH-011: step 0 skipped
+        ("scheduler", "update_connector_output", {}),
+        ("scheduler", "update_connector_output", {}),  # SCH-019: more outputs than steps
+        ("scheduler", "request_finished", {"req": "b"}),
+        ("scheduler", "request_finished", {"req": "b"}),  # SCH-015
+    )
+    assert [v.clause for v in check_call_order(calls)] == [
+        "SCH-001", "SCH-008", "SCH-011", "SCH-019", "SCH-015"]
+
+
+def test_recording_connector_needs_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSPEC_RECORD_INNER", raising=False)
+    monkeypatch.delenv("KVSPEC_RECORD_PATH", raising=False)
+    with pytest.raises(InvalidArgumentError, match="KVSPEC_RECORD_INNER"):
+        RecordingConnector()
+
+
+def test_read_calls_rejects_garbage(tmp_path: Path) -> None:
+    bad = tmp_path / "calls.jsonl"
+    bad.write_text(json.dumps({"hook": "x"}) + "\n")
+    with pytest.raises(InvalidArgumentError, match="not a recorded call"):
+        read_calls(bad)
+
+
+@pytest.mark.parametrize("factory,scenario", [
+    (SharedStorageConnector, "preemption"), (SharedStorageConnector, "aborts"),
+    (LayerwiseStorageConnector, "full-prompt-hit"),
+])
+def test_the_reference_harness_passes_its_own_checker(tmp_path: Path, factory: Any,
+                                                      scenario: str) -> None:
+    """The harness drives hooks in an order the checker accepts, alternating the orders the
+    spec allows (WRK-004, WRK-008) and skipping empty outputs (SCH-019)."""
+    path = tmp_path / "calls.jsonl"
+    rec = RecordingConnector(factory(), path)
+    cfg = HarnessConfig(prefix_caching=False, num_blocks=12 if scenario == "preemption" else 64)
+    with Engine(rec, cfg, tmpdir=str(tmp_path)) as e:
+        e.run(SCENARIOS[scenario])
+    calls = read_calls(path)
+    assert check_call_order(calls) == []
+    hooks = [c.hook for c in calls]
+    assert hooks.count("build_connector_meta") >= hooks.count("update_connector_output")
+    windows = sum(1 for c in calls if c.hook == "bind_connector_metadata")
+    assert hooks.count("build_connector_output") == windows
