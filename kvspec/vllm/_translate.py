@@ -52,11 +52,17 @@ def request_status(status: object) -> RequestStatus:
     return RequestStatus.FINISHED if name.startswith("FINISHED") else RequestStatus.WAITING
 
 
+_NONE: dict[int, AllocatedBlocks] = {}
+
+
 def allocated_blocks(block_ids: Iterable[Iterable[int]] | None, groups: int) -> AllocatedBlocks:
     """Per-group block ids (vLLM's ``tuple[list[int], ...]``, or None for "no new
-    blocks") as :class:`AllocatedBlocks`."""
-    if block_ids is None:
-        return AllocatedBlocks(((),) * groups)
+    blocks") as :class:`AllocatedBlocks`. The empty value is immutable and shared."""
+    if block_ids is None or not any(block_ids):
+        empty = _NONE.get(groups)
+        if empty is None:
+            empty = _NONE[groups] = AllocatedBlocks(((),) * groups)
+        return empty
     return AllocatedBlocks(block_ids)
 
 

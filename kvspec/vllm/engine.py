@@ -159,6 +159,13 @@ class EngineProcess:
         value: dict[str, Any] = self._receive(timeout_s, "overhead")["value"]
         return value
 
+    def layout(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
+        """The KV-cache layout the adapter registered in the engine (order, packing,
+        ``opaque_pages``, ``bytes_per_token``, ...), or None without a kvspec connector."""
+        self._send({"op": "layout"})
+        value: dict[str, Any] | None = self._receive(timeout_s, "layout")["value"]
+        return value
+
     def close(self, timeout_s: float = 60.0) -> int | None:
         """Ask the engine to exit (its connector shuts down); kill it if it does not."""
         if self._proc.poll() is None:

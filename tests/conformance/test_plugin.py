@@ -340,7 +340,7 @@ def test_json_report(kv: pytest.Pytester) -> None:
     assert result.ret == 1
     assert f"kvspec: wrote the JSON report to {report}" in result.stdout.str()
     data = json.loads(report.read_text())
-    assert data["kvspec_version"] == "0.1.0" and data["spec_version"] == "0.1"
+    assert data["kvspec_version"] == "0.1.0" and data["spec_version"] == "0.2"
     assert [(c["spec"], c["name"]) for c in data["connectors"]] == [
         ("conn:Good", "good"), ("conn:Bad", "bad")
     ]

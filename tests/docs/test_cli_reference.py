@@ -13,7 +13,7 @@ from kvspec.cli import _parser
 from kvspec.spec import SPEC_VERSION
 
 CLI_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
-_HEADING = re.compile(r"^## `(kvspec[\w ]*)`$")
+_HEADING = re.compile(r"^## `(kvspec[\w -]*)`$")
 _CELL_CODE = re.compile(r"`([^`]+)`")
 
 
