@@ -11,6 +11,7 @@ against a same-run memory-copy ceiling (see docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import json
 import os
 import sys
@@ -467,12 +468,17 @@ def _demo_pd(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"kvspec demo pd: FAILED: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    _emit(report, args.json)
+    return 0 if report.finished == options.requests else 1
+
+
+def _emit(report: Any, as_json: bool) -> None:
+    """Print a demo's report: ``as_dict()`` as JSON, or its ``lines()``."""
+    if as_json:
         json.dump(report.as_dict(), sys.stdout, indent=2)
         print()
     else:
         print("\n".join(report.lines()))
-    return 0 if report.finished == options.requests else 1
 
 
 def _bench_vllm_adapter(args: argparse.Namespace) -> int:
@@ -515,11 +521,7 @@ def _demo_vllm(args: argparse.Namespace) -> int:
     except EngineError as e:
         print(f"kvspec demo vllm: FAILED: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        json.dump(report.as_dict(), sys.stdout, indent=2)
-        print()
-    else:
-        print("\n".join(report.lines()))
+    _emit(report, args.json)
     return 0 if report.same_tokens and report.passes[1]["cached_tokens"] > 0 else 1
 
 

