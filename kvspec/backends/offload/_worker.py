@@ -431,6 +431,23 @@ class OffloadWorker(WorkerConnector):
         if locked:
             j.lock.release()
 
+    def _help(self, j: _Job) -> None:
+        """Run a host-memory load that the background thread has not started yet here,
+        now. On CPU the background thread waits for the GIL while the engine's thread runs
+        Python (up to the 5 ms switch interval, per wait), so a load it would finish in
+        microseconds is reported steps later; taking it over reports it in this step. A
+        load already running is left to the thread."""
+        future = j.future
+        if (self._stream is not None or self._settings.load_delay_s or future is None
+                or not future.cancel()):
+            return
+        done: concurrent.futures.Future[tuple[int, ...]] = concurrent.futures.Future()
+        try:
+            done.set_result(self._run(j, None))
+        except Exception as e:  # reported as a failed load by _outcome (WRK-011)
+            done.set_exception(e)
+        j.future = done
+
     def _outcome(self, j: _Job, now: float) -> tuple[int, ...] | None:
         """None while ``j`` runs; else the block ids that failed (all on a timeout)."""
         future = j.future
@@ -459,6 +476,7 @@ class OffloadWorker(WorkerConnector):
         failed: set[str] = set()
         invalid: set[int] = set()
         for rid, j in list(self._loads.items()):
+            self._help(j)
             bad = self._outcome(j, now)
             if bad is None:
                 continue

