@@ -182,10 +182,12 @@ class _Fleet:
             e.close(timeout_s=60)
 
 
-def _pd_specs(aa: bool) -> list[tuple[str, dict[str, Any], dict[str, Any], dict[str, str],
-                                      dict[str, str]]]:
+_PDSpec = tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]
+
+
+def _pd_specs(aa: bool) -> list[_PDSpec]:
     kv = {"factory": "kvspec.backends.nixl:NixlConnector"}
-    ours = ("kvspec NIXL", {**kv, "kv_role": "kv_producer"}, {**kv, "kv_role": "kv_consumer"},
+    ours: _PDSpec = ("kvspec NIXL", {**kv, "kv_role": "kv_producer"}, {**kv, "kv_role": "kv_consumer"},
             {}, {})
     if aa:
         return [("kvspec NIXL (A)", ours[1], ours[2], {}, {}), ours]
