@@ -39,3 +39,17 @@ def test_bench_vllm_adapter_prints_each_part() -> None:
     result = json.loads(proc.stdout)
     assert result["blocks"] == 64 and result["per_step_us"] > 0
     assert "scheduler output view" in result["parts_us"]
+
+
+def test_bench_vllm_compares_offload_with_vllms_example_connector() -> None:
+    """One round of the offload comparison, as a user runs it: both arms take the same
+    tokens from their connector and generate the no-connector engine's tokens."""
+    proc = _kvspec("bench", "vllm", "--only", "offload", "--rounds", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    example, ours = result["offload"]
+    assert example["name"] == "vLLM ExampleConnector" and ours["name"] == "kvspec offload"
+    assert example["same_tokens"] and ours["same_tokens"]
+    assert ours["tokens_taken"] == example["tokens_taken"] == {"80": 64, "144": 128, "272": 256}
+    assert set(result["ratios"]["offload_ttft"]) == {"80", "144", "272"}
+    assert "starting engine vLLM ExampleConnector" in proc.stderr
