@@ -135,7 +135,7 @@ def decode_json_envelope(
         fail(f"expected bytes, got {type(data).__name__}")
     try:
         obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
         fail(f"not UTF-8 JSON: {e}")
     if not isinstance(obj, dict) or set(obj) != set(keys):
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
@@ -243,7 +243,7 @@ class HandshakeMetadata:
             )
         try:
             obj = json.loads(bytes(data).decode(), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
             raise MalformedMetadataError(
                 f"handshake metadata is not UTF-8 JSON: {e}", clause="HSK-005"
             ) from None

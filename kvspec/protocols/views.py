@@ -91,14 +91,33 @@ def _positive(name: str, value: object) -> int:
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
-def _check_plain(path: str, value: object) -> object:
-    """Return a deep, immutable copy of JSON-representable data (SCH-018)."""
+_MAX_DEPTH = 64
+"""Deepest nesting accepted in plain-data parameters (a client's kv_transfer_params)."""
+_MAX_INT_BITS = 1024
+"""Largest int accepted there: far below the 4300-digit limit of Python's int-to-str, so the
+parameters always serialise; no real parameter needs more."""
+
+
+def _check_plain(path: str, value: object, depth: int = 0) -> object:
+    """Return a deep, immutable copy of JSON-representable data (SCH-018); every failure is
+    an InvalidArgumentError naming the path, never a RecursionError or ValueError."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidArgumentError(
             f"{path} is {value}; JSON has no NaN or infinity", clause="SCH-018"
         )
+    if isinstance(value, int) and not isinstance(value, bool) and (
+            value.bit_length() > _MAX_INT_BITS):
+        raise InvalidArgumentError(
+            f"{path} is an int of {value.bit_length()} bits; expected at most "
+            f"{_MAX_INT_BITS}", clause="SCH-018",
+        )
     if isinstance(value, _JSON_SCALARS):
         return value
+    if depth >= _MAX_DEPTH:
+        raise InvalidArgumentError(
+            f"{path} is nested more than {_MAX_DEPTH} levels deep; plain-data parameters "
+            "are shallow", clause="SCH-018",
+        )
     if isinstance(value, Mapping):
         out: dict[str, object] = {}
         for k, v in value.items():
@@ -107,10 +126,10 @@ def _check_plain(path: str, value: object) -> object:
                     f"{path} has a non-str key {k!r}; plain-data parameters are JSON objects",
                     clause="SCH-018",
                 )
-            out[k] = _check_plain(f"{path}.{k}", v)
+            out[k] = _check_plain(f"{path}.{k}", v, depth + 1)
         return MappingProxyType(out)
     if isinstance(value, (list, tuple)):
-        return tuple(_check_plain(f"{path}[{i}]", v) for i, v in enumerate(value))
+        return tuple(_check_plain(f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
     raise InvalidArgumentError(
         f"{path} is a {type(value).__name__}; transfer params hold only JSON-representable "
         "values (str, int, float, bool, None, lists and str-keyed mappings)",

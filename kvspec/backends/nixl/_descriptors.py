@@ -402,7 +402,7 @@ class PeerInfo:
             )
         try:
             obj = json.loads(bytes(data).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
             raise MalformedMetadataError(
                 f"peer info is not UTF-8 JSON: {e}", clause="HSK-005"
             ) from None

@@ -84,13 +84,25 @@ def _notification(request_id: str, readers: int) -> bytes:
     return f"{request_id}|{readers}".encode()
 
 
-def _parse_notification(message: bytes) -> tuple[str, int]:
-    """``(request id, notifications expected)``; a message without a count expects one."""
-    text = message.decode(errors="replace")
+_MAX_READERS = 1 << 16
+_MAX_EARLY_NOTES = 1 << 16
+"""Notifications kept for requests this rank has not handed off (yet): beyond this many,
+a peer is flooding and further ones are dropped."""
+
+
+def _parse_notification(message: bytes) -> tuple[str, int] | None:
+    """``(request id, notifications expected)`` from ``_notification``'s bytes, or None for
+    anything else: not UTF-8, no count, a count that is not 1 to 5 ASCII digits (``'²'`` is a
+    digit to ``str.isdigit`` but not to ``int``) or outside ``[1, 65536]``."""
+    try:
+        text = message.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
     rid, sep, count = text.rpartition("|")
-    if sep and count.isdigit() and 1 <= int(count) <= 1 << 16:
-        return rid, int(count)
-    return text, 1
+    if not (sep and rid and count.isascii() and count.isdigit() and len(count) <= 5):
+        return None
+    n = int(count)
+    return (rid, n) if 1 <= n <= _MAX_READERS else None
 
 
 class NixlWorker(WorkerConnector):
@@ -344,12 +356,25 @@ class NixlWorker(WorkerConnector):
         self._failed_early.clear()
         now = time.monotonic()
         if endpoint is not None and not endpoint.closed:
-            for messages in endpoint.notifications().values():
+            dropped: list[tuple[str, bytes]] = []
+            for peer, messages in endpoint.notifications().items():
                 for message in messages:
-                    rid, expected = _parse_notification(message)
+                    parsed = _parse_notification(message)
+                    if parsed is None or (parsed[0] not in self._notes
+                                          and parsed[0] not in self._sends
+                                          and len(self._notes) >= _MAX_EARLY_NOTES):
+                        # A peer's garbage (or flood) is dropped and counted; the other
+                        # notifications of the batch still count.
+                        dropped.append((peer, message[:80]))
+                        continue
+                    rid, expected = parsed
                     note = self._notes.setdefault(rid, _Notes(0, expected, now))
                     note.got += 1
                     note.expected = max(note.expected, expected)
+            if dropped:  # one line per call, however many: a flood must not flood the log
+                self._count(bad_notifications=len(dropped))
+                _log.warning("rank %d: dropped %d malformed or excess notifications, the "
+                             "first from %s: %r", self._rank, len(dropped), *dropped[0])
             for rid, entry in list(self._reads.items()):
                 states = [endpoint.poll(t) for t in entry.transfers]
                 if TransferState.IN_PROGRESS in states:
@@ -400,8 +425,9 @@ class NixlWorker(WorkerConnector):
             self._counters[name] = self._counters.get(name, 0) + n
 
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
-        """``blocks_loaded``, ``bytes_loaded`` and ``load_failures`` since the last call,
-        or None (EVT-006)."""
+        """``blocks_loaded``, ``bytes_loaded``, ``load_failures`` and
+        ``bad_notifications`` (dropped malformed or excess notifications) since the last
+        call, or None (EVT-006)."""
         counters, self._counters = self._counters, {}
         return ConnectorStats(counters) if any(counters.values()) else None
 

@@ -67,7 +67,7 @@ class NullMetadata:
             )
         try:
             obj = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
             raise MalformedMetadataError(
                 f"null metadata is not UTF-8 JSON: {e}", clause="ERR-005"
             ) from None

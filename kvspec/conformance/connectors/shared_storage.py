@@ -283,7 +283,7 @@ def _read_block_file(
             raise _BadBlockFile(f"{path}: header of {size} bytes exceeds {_MAX_HEADER}")
         try:
             header = json.loads(f.read(size).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
             raise _BadBlockFile(f"{path}: header is not UTF-8 JSON: {e}") from None
         expected = {
             "version": _FILE_VERSION,

@@ -434,3 +434,29 @@ def test_models_with_different_head_counts_fail_the_handshake() -> None:
         assert consumers[2].endpoint.resources().peers == 0
     finally:
         _shutdown(consumers, producers)
+
+
+def test_garbage_notifications_are_dropped_and_the_genuine_one_still_frees() -> None:
+    """Issue 14, defect 1: a count of '²' (a digit to str.isdigit, not to int), 5000 digits,
+    bytes that are not UTF-8, no count or a zero count raised ValueError out of the
+    producer's get_finished and lost the genuine notification of the same batch. They are
+    dropped and counted; the hand-off is freed on the genuine one."""
+    producers, _, _ = _ranks(TransferRole.PRODUCER, "prefill", 1, StrideOrder.BLNHC, 50)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 60)
+    try:
+        engine = "prefill"
+        _step(producers[0], NixlMetadata(sends=("p",)))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (1,), (2,), "p"),),
+                                         peers={engine: _rank_peers(producers)}))
+        _until(consumers[0], "d", recv=True)  # the READ is done, its notification sent
+        endpoint = consumers[0].endpoint
+        assert endpoint is not None and endpoint.peers
+        for junk in ("p|²".encode(), b"p|" + b"9" * 5000, b"\xff\xfe|1", b"no-count",
+                     b"p|0", b"|1", b"p|99999"):
+            assert endpoint.send_notification(endpoint.peers[0], junk)
+        time.sleep(0.2)  # every message has arrived: one batch for the producer
+        _until(producers[0], "p", recv=False)
+        stats = producers[0].get_kv_connector_stats()
+        assert stats is not None and stats.counters["bad_notifications"] == 7  # type: ignore[attr-defined]
+    finally:
+        _shutdown(consumers, producers)
