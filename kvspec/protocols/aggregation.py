@@ -399,7 +399,7 @@ def _reduce(
             acc = value
             continue
         try:
-            acc = acc.aggregate(value)
+            merged = acc.aggregate(value)
         except Exception as exc:
             raise ReportError(
                 f"reducing {field} failed at rank {rank}: {exc}; expected the {field} of "
@@ -407,4 +407,12 @@ def _reduce(
                 rank=rank,
                 clause=clause,
             ) from exc
+        if merged is None:  # keeping either side would drop the other rank's values
+            raise ReportError(
+                f"reducing {field} at rank {rank}: {type(acc).__name__}.aggregate returned "
+                f"None; expected the combined {field}",
+                rank=rank,
+                clause=clause,
+            )
+        acc = merged
     return acc

@@ -939,6 +939,14 @@ class KVCacheLayout:
                         f"[0, {self.num_blocks})",
                         clause="LAY-012",
                     )
+                if not 0 <= number < self.num_blocks:  # before int64 could overflow
+                    raise InvalidBlockIdError(
+                        f"block id {number} is outside the engine's block budget; expected "
+                        f"ids in [0, num_blocks={self.num_blocks})"
+                        + (f" (block_capacity {self.block_capacity} is not the budget)"
+                           if self.is_over_allocated else ""),
+                        clause="LAY-012",
+                    )
                 values.append(number)
             ids = torch.tensor(values, dtype=torch.int64)
         bad = ids[(ids < 0) | (ids >= self.num_blocks)]

@@ -54,6 +54,11 @@ def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
 
 
 def _block_ids(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(values, (set, frozenset)):
+        raise InvalidBlockIdError(
+            f"{name} must be ordered (token order), got a {type(values).__name__}",
+            clause="ERR-003",
+        )
     try:
         out = _ints(name, values)
     except InvalidArgumentError as e:
@@ -213,8 +218,11 @@ class ForwardKind(enum.Enum):
 
 
 def _ids_tuple(value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise InvalidArgumentError("expected an iterable of request ids, got one str")
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        got = "one str" if isinstance(value, str) else type(value).__name__
+        raise InvalidArgumentError(
+            f"expected an iterable of request ids, got {got}", clause="ERR-002"
+        )
     return tuple(_req_id("request id", v) for v in value)
 
 
@@ -231,7 +239,12 @@ def _v_positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
 
 
 def _token_ids(values: Iterable[int]) -> tuple[int, ...]:
-    return _ints("token ids", values)
+    out = _ints("token ids", values)
+    if out and min(out) < 0:
+        raise InvalidArgumentError(
+            f"token ids must be >= 0, got {min(out)}", clause="ERR-002"
+        )
+    return out
 
 
 def _groups(groups: object) -> tuple[tuple[int, ...], ...]:
@@ -310,8 +323,12 @@ class AllocatedBlocks:
 
     @classmethod
     def single(cls, block_ids: Iterable[int]) -> AllocatedBlocks:
-        """Blocks of an engine with a single KV-cache group."""
-        return cls((tuple(block_ids),))
+        """Blocks of an engine with a single KV-cache group.
+
+        Raises:
+            InvalidBlockIdError: ``block_ids`` is not an ordered iterable of ids >= 0.
+        """
+        return cls((_block_ids("block ids", block_ids),))
 
     @property
     def num_groups(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 import attrs
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -677,3 +679,18 @@ AggregatorMachine.TestCase.settings = settings(
 )
 test_aggregator_machine = AggregatorMachine.TestCase
 
+
+
+def test_stats_whose_aggregate_returns_none_are_refused() -> None:
+    """Issue 14, defect 9: the aggregator kept only the last rank's stats when a stats
+    object's aggregate() returned None; it now refuses, naming the rank."""
+    from kvspec.protocols import ConnectorStats, KVConnectorOutput, ReportError, StandardAggregator
+
+    class Lossy(ConnectorStats):
+        def aggregate(self, other: Any) -> Any:
+            return None
+
+    agg = StandardAggregator(2)
+    outs = [KVConnectorOutput(stats=Lossy({"a": 1})), KVConnectorOutput(stats=Lossy({"a": 2}))]
+    with pytest.raises(ReportError, match="returned None"):
+        agg.aggregate(outs)

@@ -609,3 +609,11 @@ def test_block_ids_are_validated(ids: object, fragment: str) -> None:
     for method in (desc.block_regions, desc.block_region_offsets):
         with pytest.raises(InvalidBlockIdError, match=fragment):
             method(ids)  # type: ignore[arg-type]
+
+
+def test_block_ids_past_int64_are_rejected_typed() -> None:
+    """Issue 14, defect 9: block_regions([2**63]) raised RuntimeError from torch."""
+    layout = KVCacheLayout.contiguous("LBHNC", KVPacking.CONCAT, torch.float16, 2, 8, 4, 2, 8)
+    for bad in ([2 ** 63], [-(2 ** 70)], [8]):
+        with pytest.raises(InvalidBlockIdError, match="LAY-012|budget"):
+            layout.block_regions(bad)

@@ -659,3 +659,19 @@ def test_thaw_params_inverts_freeze_params_into_json_ready_data() -> None:
     thawed["c"]["e"] = "y"  # a mutable copy: the frozen params are untouched
     assert frozen is not None and frozen["c"]["e"] == "x"
     assert freeze_params(thawed) is not None
+
+
+@pytest.mark.parametrize("make,error", [
+    (lambda: AllocatedBlocks.single(5), InvalidBlockIdError),  # type: ignore[arg-type]
+    (lambda: AllocatedBlocks.single({3, 1}), InvalidBlockIdError),
+    (lambda: AllocatedBlocks(({3, 1},)), InvalidBlockIdError),
+    (lambda: SchedulerOutputView(0, finished_req_ids=None), InvalidArgumentError),  # type: ignore[arg-type]
+    (lambda: SchedulerOutputView(0, preempted_req_ids=7), InvalidArgumentError),  # type: ignore[arg-type]
+    (lambda: RequestView("r", (1, -2)), InvalidArgumentError),
+    (lambda: CachedRequestView("c", new_token_ids=[-1]), InvalidArgumentError),
+], ids=["single-int", "single-set", "group-set", "finished-none", "preempted-int",
+        "negative-prompt-token", "negative-new-token"])
+def test_public_entries_fail_typed_on_malformed_input(make: Any, error: type) -> None:
+    """Issue 14, defect 9: these raised TypeError or were silently accepted."""
+    with pytest.raises(error):
+        make()
