@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvspec.backends.offload import (
     ARCPolicy,
+    FailedStores,
     HostPool,
     LRUPolicy,
     OffloadCapacityError,
@@ -260,6 +261,45 @@ def test_scheduler_stores_on_finish_matches_and_pins() -> None:
     sched.request_finished(b, (7, 8, 9))
     sched.shutdown()
     sched.shutdown()
+
+
+def test_a_failed_store_is_never_advertised_or_matched() -> None:
+    """Issue 14, defect 7: a store that failed on a worker was still indexed and announced
+    (BlockStored), so the next lookup matched it and its load was bound to fail. The
+    worker now reports it (FailedStores worker metadata) and the scheduler frees its
+    slots instead."""
+    sched = OffloadScheduler(_config(offload_slots=4))
+    worker, _, _ = _registered(offload_slots=4)
+    try:
+        def broken_store(*args: Any) -> Any:
+            raise RuntimeError("disk on fire")
+        worker._store = broken_store  # type: ignore[method-assign]
+        prompt = list(range(9))
+        a = _request("a", prompt, computed=9)
+        sched.on_new_request(a)
+        assert sched.request_finished(a, (3, 4, 5)) == (True, None)
+        _run(worker, _meta(sched))
+        _wait_finished(worker, "a", recv=False)
+        meta = worker.build_connector_worker_meta()
+        assert meta == FailedStores(frozenset({"a"}))
+        assert worker.build_connector_worker_meta() is None  # reported once
+        sched.update_connector_output(KVConnectorOutput(
+            finished_sending=frozenset({"a"}), worker_metadata=meta))
+        assert not any(isinstance(e, BlockStored) for e in sched.take_events())
+        b = _request("b", prompt)
+        sched.on_new_request(b)
+        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        assert sched.stats()["store_failures"] == 2
+        # Its slots went back: four new blocks still fit without evicting anything.
+        c = _request("c", list(range(100, 117)), computed=17)
+        sched.on_new_request(c)
+        assert sched.request_finished(c, (6, 7, 8, 9, 0)) == (True, None)
+        assert [len(j) for j in _meta(sched).stores] == [4]
+        assert sched.stats()["evictions"] == 0
+        assert FailedStores({"x"}).aggregate(FailedStores({"y"})) == FailedStores({"x", "y"})
+    finally:
+        worker.shutdown()
+        sched.shutdown()
 
 
 def test_scheduler_drops_blocks_of_failed_loads() -> None:

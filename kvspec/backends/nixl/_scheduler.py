@@ -47,6 +47,14 @@ from kvspec.protocols import (
 )
 from kvspec.protocols.metadata import decode_json_envelope
 
+from .._checks import (
+    check_blocks,
+    check_count,
+    check_output,
+    check_request,
+    check_scheduler_output,
+)
+
 __all__ = ["NixlLoad", "NixlMetadata", "NixlScheduler", "NixlSettings", "PARAMS_KIND"]
 
 PARAMS_KIND = "kvspec.nixl.handoff"
@@ -328,7 +336,16 @@ class NixlScheduler(SchedulerConnector):
 
         Raises:
             MalformedMetadataError: malformed hand-off parameters (SCH-018).
+            InvalidArgumentError: a wrong type, or a negative or too large computed-token
+                count (ERR-002).
         """
+        check_request(request)
+        check_count("num_computed_tokens", num_computed_tokens)
+        if num_computed_tokens > request.num_prompt_tokens:
+            raise InvalidArgumentError(
+                f"num_computed_tokens {num_computed_tokens} exceeds the {request.num_prompt_tokens}"
+                f"-token prompt of {request.request_id!r}", clause="ERR-002",
+            )
         _, count = self._external(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
@@ -344,7 +361,9 @@ class NixlScheduler(SchedulerConnector):
             UnknownRequestError: the request was never seen (SCH-028).
             InvalidArgumentError: the external tokens are not whole handed-off blocks.
         """
-        rid = request.request_id
+        rid = check_request(request).request_id
+        check_blocks(blocks)
+        check_count("num_external_tokens", num_external_tokens)
         if rid not in self._known:
             raise UnknownRequestError(
                 f"update_state_after_alloc for unknown request {rid!r}", request_id=rid,
@@ -386,7 +405,7 @@ class NixlScheduler(SchedulerConnector):
         Aborted requests and requests without a full block are not handed off. Consumer:
         ``(False, None)``; a load in flight is still reported by the workers (SCH-021).
         """
-        rid = request.request_id
+        rid = check_request(request).request_id
         AllocatedBlocks.single(block_ids).check_budget(self._config.num_blocks)
         self._known.discard(rid)
         self._asked.pop(rid, None)
@@ -413,6 +432,7 @@ class NixlScheduler(SchedulerConnector):
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         """The READs, hand-offs and new peers planned since the last call, once each
         (SCH-011, SCH-013); never waits (SCH-014)."""
+        check_scheduler_output(scheduler_output)
         meta = NixlMetadata(tuple(self._pending_loads), tuple(self._pending_sends),
                             dict(self._pending_peers))
         self._pending_loads.clear()
@@ -428,6 +448,7 @@ class NixlScheduler(SchedulerConnector):
             UnknownRequestError: a report for a transfer this role is not waiting for
                 (SCH-028).
         """
+        check_output(output)
         stray = sorted({*output.finished_sending - self._sending,
                         *output.finished_recving - self._loading})
         if stray:

@@ -22,13 +22,21 @@ from __future__ import annotations
 
 from ._eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from ._pool import HostPool, OffloadCapacityError
-from ._scheduler import MEDIUM, OffloadMetadata, OffloadScheduler, OffloadSettings, TransferJob
+from ._scheduler import (
+    MEDIUM,
+    FailedStores,
+    OffloadMetadata,
+    OffloadScheduler,
+    OffloadSettings,
+    TransferJob,
+)
 from ._worker import OffloadWorker
 from .connector import LayerwiseOffloadConnector, OffloadConnector
 
 __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
+    "FailedStores",
     "HostPool",
     "LayerwiseOffloadConnector",
     "LRUPolicy",

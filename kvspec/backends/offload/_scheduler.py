@@ -22,6 +22,7 @@ import attrs
 from typing_extensions import Self
 
 from kvspec.protocols.metadata import decode_json_envelope
+
 from kvspec.protocols import (
     AllocatedBlocks,
     BlockRemoved,
@@ -39,6 +40,7 @@ from kvspec.protocols import (
     UnknownRequestError,
 )
 
+from .._checks import check_blocks, check_count, check_request
 from ._eviction import EvictionPolicy, make_policy
 
 __all__ = [
@@ -417,18 +419,32 @@ class OffloadMetadata:
 # ----------------------------------------------------------------------------- scheduler
 
 
-def _check_request(request: object) -> RequestView:
-    if not isinstance(request, RequestView):
-        raise InvalidArgumentError(
-            f"request must be a RequestView, got {type(request).__name__}", clause="ERR-002"
-        )
-    return request
+def _id_set(ids: Iterable[str]) -> frozenset[str]:
+    out = frozenset(ids)
+    if not all(isinstance(i, str) and i for i in out):
+        raise InvalidArgumentError(f"request ids must be non-empty str, got {sorted(map(repr, out))}",
+                                   clause="ERR-002")
+    return out
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}", clause="ERR-002")
-    return value
+@attrs.frozen
+class FailedStores:
+    """Worker metadata of the offload backend: the stores of this step that failed on a
+    rank (WRK-016). Ranks combine by union: a block one rank could not store is not stored.
+
+    Attributes:
+        request_ids: The requests whose store failed.
+    """
+
+    request_ids: frozenset[str] = attrs.field(converter=_id_set)
+
+    def aggregate(self, other: FailedStores) -> FailedStores:
+        """The union of both ranks' failed stores."""
+        if not isinstance(other, FailedStores):
+            raise InvalidArgumentError(
+                f"cannot aggregate FailedStores with {type(other).__name__}", clause="EVT-007"
+            )
+        return FailedStores(self.request_ids | other.request_ids)
 
 
 @attrs.frozen
@@ -526,7 +542,7 @@ class OffloadScheduler(SchedulerConnector):
 
     def on_new_request(self, request: RequestView) -> None:
         """Remember the request (SCH-028)."""
-        self._known.add(_check_request(request).request_id)
+        self._known.add(check_request(request).request_id)
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
@@ -534,8 +550,8 @@ class OffloadScheduler(SchedulerConnector):
         """Return ``(n, n > 0)``: tokens of stored blocks after the computed ones (SCH-001,
         SCH-004, SCH-005, SCH-007, SCH-020). Reads only the stored index; remembers
         ``num_computed_tokens`` as where a following allocation's external tokens start."""
-        _check_request(request)
-        _check_count("num_computed_tokens", num_computed_tokens)
+        check_request(request)
+        check_count("num_computed_tokens", num_computed_tokens)
         count = self._match(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
@@ -556,18 +572,15 @@ class OffloadScheduler(SchedulerConnector):
             InvalidArgumentError: the external tokens are not whole blocks or do not fit,
                 or a load for the request is already in flight (SCH-009).
         """
-        _check_request(request)
+        check_request(request)
         rid = request.request_id
         if rid not in self._known:
             raise UnknownRequestError(
                 f"update_state_after_alloc for request {rid!r}, which this connector never "
                 "saw", request_id=rid, clause="SCH-028",
             )
-        if not isinstance(blocks, AllocatedBlocks):
-            raise InvalidArgumentError(
-                f"blocks must be AllocatedBlocks, got {type(blocks).__name__}", clause="ERR-002"
-            )
-        if _check_count("num_external_tokens", num_external_tokens) == 0:
+        check_blocks(blocks)
+        if check_count("num_external_tokens", num_external_tokens) == 0:
             return
         blocks.check_budget(self._config.num_blocks)
         bs = self._block_size
@@ -702,7 +715,7 @@ class OffloadScheduler(SchedulerConnector):
             UnknownRequestError: the request was never seen or already finished (SCH-028).
             InvalidBlockIdError: a block id is outside the budget (LAY-012).
         """
-        _check_request(request)
+        check_request(request)
         rid = request.request_id
         if rid not in self._known:
             raise UnknownRequestError(
@@ -772,7 +785,9 @@ class OffloadScheduler(SchedulerConnector):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Make the stores in ``finished_sending`` stored (queueing ``BlockStored``), and
+        """Make the stores in ``finished_sending`` stored (queueing ``BlockStored``), except
+        those a rank reported failed (:class:`FailedStores`: their slots are freed and
+        nothing is advertised), and
         unpin the loads in ``finished_recving``, dropping the blocks of failed loads named in
         ``invalid_block_ids`` (all of the load's blocks if none is named).
 
@@ -811,10 +826,17 @@ class OffloadScheduler(SchedulerConnector):
         if removed:
             self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
         insert_many = self._policy.insert_many
+        meta = output.worker_metadata
+        failed_stores = meta.request_ids if isinstance(meta, FailedStores) else frozenset()
         for rid in sorted(output.finished_sending):
             record = self._saving.pop(rid)
             job = record.job
             self._storing.difference_update(record.keys)
+            if rid in failed_stores:  # never advertised, never matched: slots back
+                for slot in job.slots:
+                    self._release_slot(slot)
+                self._counters["store_failures"] += len(job)
+                continue
             tag = job.tags[0]
             self._index.update(zip(record.keys, job.slots))
             slot_tag = self._slot_tag

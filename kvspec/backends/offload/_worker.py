@@ -38,7 +38,7 @@ from kvspec.protocols import (
 
 from ._pool import CopyPlan, HostPool
 from ._stage import SaveStage
-from ._scheduler import OffloadMetadata, OffloadSettings, TransferJob
+from ._scheduler import FailedStores, OffloadMetadata, OffloadSettings, TransferJob
 
 __all__ = ["OffloadWorker"]
 
@@ -103,6 +103,7 @@ class OffloadWorker(WorkerConnector):
         self._loads: dict[str, _Job] = {}
         self._stores: dict[str, _Job] = {}
         self._failed: frozenset[str] = frozenset()
+        self._failed_stores: set[str] = set()
         self._invalid: frozenset[int] = frozenset()
         self._stats_lock = threading.Lock()
         self._counters: dict[str, int] = {}
@@ -491,6 +492,8 @@ class OffloadWorker(WorkerConnector):
                 continue
             del self._stores[rid]
             sending.add(rid)
+            if bad:  # told to the scheduler role, which then never advertises it
+                self._failed_stores.add(rid)
         self._failed = frozenset(failed)
         self._invalid = frozenset(invalid)
         return frozenset(sending), frozenset(recving)
@@ -513,6 +516,14 @@ class OffloadWorker(WorkerConnector):
         with self._stats_lock:
             counters, self._counters = self._counters, {}
         return ConnectorStats(counters) if any(counters.values()) else None
+
+    def build_connector_worker_meta(self) -> SupportsAggregate | None:
+        """The stores that failed since the last call (:class:`FailedStores`), or None
+        (WRK-016): the scheduler role must not advertise or match them."""
+        if not self._failed_stores:
+            return None
+        failed, self._failed_stores = FailedStores(self._failed_stores), set()
+        return failed
 
     def wait_for_save(self) -> None:
         """``store_path="background"``: return at once; stored blocks are held by a delayed

@@ -1,0 +1,58 @@
+"""The NIXL scheduler role refuses malformed arguments with typed errors (issue 14, defect 5:
+wrong types gave AttributeError/TypeError and num_computed_tokens=-8 matched 16 tokens of
+an 8-token hand-off). No NIXL needed: the scheduler role does not import it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvspec.backends.nixl import PARAMS_KIND, NixlScheduler
+from kvspec.protocols import (
+    AllocatedBlocks,
+    EngineConfigView,
+    InvalidArgumentError,
+    InvalidBlockIdError,
+    RequestView,
+    TransferRole,
+)
+
+BS = 4
+
+
+def _consumer() -> NixlScheduler:
+    return NixlScheduler(EngineConfigView(engine_id="decode", role=TransferRole.CONSUMER,
+                                          num_layers=2, block_size=BS, num_blocks=16))
+
+
+def _handed_off(rid: str = "d") -> RequestView:
+    return RequestView(rid, tuple(range(1, 10)), kv_transfer_params={
+        "kind": PARAMS_KIND, "engine_id": "prefill", "request_id": "p", "blocks": [3, 4],
+        "peers": {"0": {}}})
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.get_num_new_matched_tokens("d", 0),
+    lambda s: s.get_num_new_matched_tokens(_handed_off(), -8),
+    lambda s: s.get_num_new_matched_tokens(_handed_off(), 1.5),
+    lambda s: s.get_num_new_matched_tokens(_handed_off(), True),
+    lambda s: s.get_num_new_matched_tokens(_handed_off(), 10),
+    lambda s: s.update_state_after_alloc(None, AllocatedBlocks.single([1]), 8),
+    lambda s: s.update_state_after_alloc(_handed_off(), [1, 2], 8),
+    lambda s: s.update_state_after_alloc(_handed_off(), AllocatedBlocks.single([1]), -4),
+    lambda s: s.request_finished("d", (1,)),
+    lambda s: s.request_finished(_handed_off(), 5),
+    lambda s: s.build_connector_meta(None),
+    lambda s: s.update_connector_output({"finished_recving": ["d"]}),
+], ids=["request-str", "computed-negative", "computed-float", "computed-bool",
+        "computed-past-prompt", "alloc-request-none", "alloc-blocks-list",
+        "alloc-external-negative", "finished-request-str", "finished-blocks-int",
+        "meta-none", "output-dict"])
+def test_malformed_arguments_fail_typed_and_change_nothing(call: Any) -> None:
+    sched = _consumer()
+    with pytest.raises((InvalidArgumentError, InvalidBlockIdError)):
+        call(sched)
+    # the same scheduler still works afterwards
+    count, is_async = sched.get_num_new_matched_tokens(_handed_off(), 0)
+    assert (count, is_async) == (8, True)
