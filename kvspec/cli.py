@@ -94,6 +94,13 @@ def _conform(args: argparse.Namespace) -> int:
     # Like ``python -m``: connector modules in the current directory are importable.
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
+    if any(not s.strip() for s in args.specs):
+        print("kvspec conform: an empty connector spec; expected 'pkg.module:Factory'",
+              file=sys.stderr)
+        return 2
+    for flag, path in (("--report", args.report), ("--write-xfail", args.write_xfail)):
+        if path and _unwritable(flag, path):
+            return 2
     specs = list(args.specs) or list(DEFAULT_CONNECTORS)
     extra = list(args.pytest_args)
     if args.write_xfail:
@@ -163,6 +170,17 @@ def _positive_int(text: str) -> int:
     return values[0]
 
 
+def _unwritable(flag: str, path: str) -> bool:
+    """Say on stderr, and return True, when an output path cannot be written: checked
+    before a long run, whose work would otherwise be lost at its end."""
+    from .conformance._paths import unwritable_reason
+
+    reason = unwritable_reason(path)
+    if reason is not None:
+        print(f"kvspec: {flag} {path}: {reason}", file=sys.stderr)
+    return reason is not None
+
+
 def _bench_offload(args: argparse.Namespace) -> int:
     from .bench.offload import (
         OffloadGrid,
@@ -174,6 +192,8 @@ def _bench_offload(args: argparse.Namespace) -> int:
         run_offload_bench,
     )
 
+    if args.svg and _unwritable("--svg", args.svg):
+        return 2
     base = OffloadGrid.quick() if args.quick else OffloadGrid()
     grid = OffloadGrid(
         orders=args.orders or base.orders,
@@ -416,6 +436,8 @@ def _bench_nixl(args: argparse.Namespace) -> int:
     )
     from .bench.nixl_tp import default_tp_points, format_tp_table, measure_tp_point
 
+    if args.svg and _unwritable("--svg", args.svg):
+        return 2
     blocks = args.blocks or (32 if args.quick else 256)
     layers = args.layers or (4 if args.quick else 32)
     repeats = args.repeats or (3 if args.quick else 9)
@@ -524,6 +546,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     if vllm_python() is None:
         print("kvspec bench vllm: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
               "scripts/vllm_env.sh", file=sys.stderr)
+        return 2
+    if args.svg and _unwritable("--svg", args.svg):
         return 2
     options = VllmBenchOptions(rounds=args.rounds, aa=args.aa,
                                sections=(args.only,) if args.only else ("pd", "offload"))

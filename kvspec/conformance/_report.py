@@ -303,8 +303,9 @@ class Recorder:
             return
         try:
             entries = read_xfail_file(path)
-        except OSError as e:
-            raise pytest.UsageError(f"--kvspec-xfail={path}: cannot read it: {e}") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise pytest.UsageError(
+                f"--kvspec-xfail={path}: cannot read it as UTF-8 text: {e}") from e
         by_key: dict[str, list[pytest.Item]] = {}
         for item in items:
             t = self.tracked.get(item.nodeid)

@@ -99,6 +99,17 @@ def connector_specs(config: pytest.Config) -> list[str]:
     return list(dict.fromkeys(s.strip() for s in given if s.strip()))
 
 
+def _check_writable(path: str | None, flag: str) -> None:
+    """Refuse, before any test runs, an output path that cannot be written: the run's
+    work would be lost at its end (pytest.UsageError naming the option)."""
+    if path:
+        from ._paths import unwritable_reason
+
+        reason = unwritable_reason(path)
+        if reason is not None:
+            raise pytest.UsageError(f"{flag}={path}: {reason}")
+
+
 @pytest.hookimpl(trylast=True)  # after hypothesis's own plugin has loaded its profile
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers and the run recorder; with connectors, add the suite."""
@@ -111,6 +122,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     from ._report import Recorder
 
+    for option, flag in (("kvspec_report", "--kvspec-report"),
+                         ("kvspec_write_xfail", "--kvspec-write-xfail")):
+        _check_writable(config.getoption(option, None), flag)
     specs = connector_specs(config)
     recorder = Recorder(config, specs)
     config.stash[_RECORDER] = recorder

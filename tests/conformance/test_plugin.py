@@ -575,3 +575,31 @@ def test_suite_installed_in_a_project_virtualenv_is_collected(kv: pytest.Pyteste
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 passed, 3 skipped" in out.stdout
     assert ".venv/lib/site-packages/kvspec/conformance/suite/test_declaration.py" in out.stdout
+
+
+def test_unreadable_and_unwritable_paths_are_usage_errors_before_any_test(
+        kv: pytest.Pytester) -> None:
+    """Issue 14, defect 10: an expected-failures file that is not UTF-8 was an INTERNALERROR,
+    and a report or write-xfail path that cannot be written failed only at the end, after
+    the run's work. Both are usage errors now, and no test runs."""
+    bad = kv.path / "xfail.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8\n")
+    result = run(kv, "--kvspec-conformance=conn:Good", f"--kvspec-xfail={bad}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvspec-xfail=*cannot read it as UTF-8 text*"])
+    (kv.path / "adir").mkdir()
+    for option in ("--kvspec-report", "--kvspec-write-xfail"):
+        result = run(kv, "--kvspec-conformance=conn:Good", f"{option}={kv.path / 'adir'}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([f"*{option}=*is a directory*"])
+        assert "passed" not in result.stdout.str()
+
+
+def test_cli_refuses_an_empty_spec_and_an_unwritable_output_at_once(kv: pytest.Pytester) -> None:
+    for args in (["conform", ""], ["conform", "conn:Good", "--report", str(kv.path)],
+                 ["bench", "offload", "--quick", "--svg", str(kv.path)]):
+        proc = subprocess.run([sys.executable, "-m", "kvspec", *args], cwd=kv.path,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert ("empty connector spec" in proc.stderr) or ("is a directory" in proc.stderr)
