@@ -75,6 +75,10 @@ __all__ = [
 ]
 
 _LOCAL: Final = "NIXL_INIT_AGENT"
+_MAX_REMOTE_FACTOR: Final = 8
+"""A peer's descriptor list may be at most this many times this endpoint's own."""
+_MIN_REMOTE_LIMIT: Final = 1 << 16
+"""...and is always allowed this many descriptors (small endpoints, large peers)."""
 _log = logging.getLogger(__name__)
 
 
@@ -438,6 +442,7 @@ class NixlEndpoint:
             remote_key = info.geometry.check_runs(remote_runs)
             lengths = tuple(n for _, n in local_key)
             remote_lengths = tuple(n for _, n in remote_key)
+            self._check_claims(info, len(remote_key))  # before anything is allocated
             if lengths != remote_lengths:
                 raise CompatibilityError(
                     f"block descriptors differ: agent {self.name!r} moves "
@@ -457,7 +462,10 @@ class NixlEndpoint:
                 ) from e
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != info.agent_name:
-                self._remove_agent(loaded_name)
+                # Never unload an agent this endpoint uses: a PeerInfo carrying an existing
+                # peer's metadata under another name must not cut that peer off.
+                if loaded_name not in self._peers and loaded_name != self.name:
+                    self._remove_agent(loaded_name)
                 self._drop_unused_local(local_key)
                 raise MalformedMetadataError(
                     f"peer info names agent {info.agent_name!r} but its NIXL metadata is "
@@ -483,6 +491,32 @@ class NixlEndpoint:
                 per_block=len(lengths), lengths=lengths,
             )
             return info.agent_name
+
+    def _check_claims(self, info: PeerInfo, per_block: int) -> None:
+        """Bound what a peer claims before allocating for it (ERR-002, HSK-005): its blocks
+        must lie inside the region it says it registered, and its descriptor list may be at
+        most ``_MAX_REMOTE_FACTOR`` times this endpoint's (at least ``_MIN_REMOTE_LIMIT``
+        descriptors): a 1.5 KB PeerInfo must not make this side allocate gigabytes.
+
+        Raises:
+            MalformedMetadataError: a claim is out of bounds.
+        """
+        g = info.geometry
+        span = (g.num_blocks - 1) * g.block_stride + g.region_offsets[-1] + g.region_nbytes
+        if span > info.nbytes:
+            raise MalformedMetadataError(
+                f"peer {info.agent_name!r} claims {g.num_blocks} blocks spanning {span} bytes "
+                f"but registered {info.nbytes}; expected its blocks inside its region",
+                clause="HSK-005",
+            )
+        limit = max(_MAX_REMOTE_FACTOR * self._geometry.num_blocks * len(self._default),
+                    _MIN_REMOTE_LIMIT)
+        if g.num_blocks * per_block > limit:
+            raise MalformedMetadataError(
+                f"peer {info.agent_name!r} claims {g.num_blocks} blocks of {per_block} "
+                f"descriptors; this endpoint accepts at most {limit} descriptors per peer "
+                f"({_MAX_REMOTE_FACTOR}x its own)", clause="HSK-005",
+            )
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer: its in-flight transfers are cancelled and FAILED, its prepared

@@ -665,3 +665,40 @@ def test_raw_nixl_anchor_moves_the_right_bytes(two_processes: bool) -> None:
     assert result.to_json()["per_block_ratio"] == result.per_block_ratio
     with pytest.raises(InvalidArgumentError):
         measure_raw_nixl(0)
+
+
+def test_a_peer_info_naming_another_agent_does_not_cut_off_an_existing_peer(
+        pair: Pair) -> None:
+    """Issue 14, defect 2: a PeerInfo carrying an existing peer's NIXL metadata under another
+    name made add_peer's clean-up unload that peer's agent, so every later READ from it
+    failed while kvspec still listed it."""
+    with pytest.raises(MalformedMetadataError, match="agent"):
+        pair.consumer.add_peer(attrs.evolve(pair.producer.info, agent_name="impostor"))
+    assert pair.consumer.peers == (pair.peer,)
+    t = pair.consumer.start_read(pair.peer, [0, 1], [2, 3], timeout=10)
+    assert pair.consumer.wait(t) is TransferState.DONE
+    for local, remote in ((0, 2), (1, 3)):
+        assert _block_bytes(pair.layout, pair.dst, local) == \
+            _block_bytes(pair.layout, pair.src, remote)
+
+
+def test_a_peer_claiming_millions_of_blocks_is_refused_before_allocating(pair: Pair) -> None:
+    """Issue 14, defect 4: a 1.5 KB PeerInfo claiming 4 million blocks cost the consumer
+    1.15 GiB and 4.8 s before NIXL refused it. Claims are bounded first: blocks inside the
+    registered region, and at most 8x this endpoint's descriptors."""
+    consumer = _endpoint(_name("decode"), torch.zeros(pair.layout.span_bytes, dtype=torch.uint8),
+                         pair.layout)
+    try:
+        info = pair.producer.info
+        huge = attrs.evolve(info, geometry=attrs.evolve(info.geometry, num_blocks=4_000_000))
+        t0 = time.monotonic()
+        with pytest.raises(MalformedMetadataError, match="registered"):
+            consumer.add_peer(huge)
+        lying = attrs.evolve(huge, nbytes=1 << 50)  # a region to match the claim
+        with pytest.raises(MalformedMetadataError, match="at most"):
+            consumer.add_peer(lying)
+        assert time.monotonic() - t0 < 1.0
+        assert consumer.resources().peers == 0 and consumer.resources().remote_dlists == 0
+        consumer.add_peer(info)  # an honest peer still works
+    finally:
+        consumer.close()
