@@ -179,7 +179,8 @@ def _control_us(point: NixlPoint, consumer: NixlWorker, peers: dict[int, Any],
     for i in range(repeats):
         sched = NixlScheduler(_config(TransferRole.CONSUMER, "bench-decode",
                                       dataclasses.replace(point, blocks=point.blocks + 1)))
-        sched._peers_sent.add("bench-prefill")  # peers travel once per engine, not per step
+        # peers travel once per engine (again only when they change), not per step
+        sched._peers_sent["bench-prefill"] = {0: request.kv_transfer_params["peers"]["0"]}  # type: ignore[index]
         start = time.perf_counter()
         n, _ = sched.get_num_new_matched_tokens(request, 0)
         sched.update_state_after_alloc(request, blocks, n or 0)

@@ -301,7 +301,7 @@ class NixlScheduler(SchedulerConnector):
         self._bs = config.block_size
         self._producer = config.role in (TransferRole.PRODUCER, TransferRole.BOTH)
         self._peers: dict[int, Mapping[str, Any]] = {}
-        self._peers_sent: set[str] = set()
+        self._peers_sent: dict[str, Mapping[int, Mapping[str, Any]]] = {}
         self._known: set[str] = set()
         self._asked: dict[str, int] = {}
         self._loading: set[str] = set()
@@ -391,8 +391,8 @@ class NixlScheduler(SchedulerConnector):
         self._consumed.add(rid)
         if num_external_tokens:
             self._loading.add(rid)
-        if h.engine_id not in self._peers_sent:
-            self._peers_sent.add(h.engine_id)
+        if self._peers_sent.get(h.engine_id) != h.peers:  # new, or the producer restarted
+            self._peers_sent[h.engine_id] = h.peers
             self._pending_peers[h.engine_id] = h.peers
 
     # -- producer -----------------------------------------------------------------------

@@ -69,6 +69,7 @@ class _Load:
     local_blocks: tuple[int, ...]
     transfers: list[NixlTransfer]
     failed: bool = False
+    engine_id: str = ""
 
 
 @attrs.define
@@ -277,9 +278,21 @@ class NixlWorker(WorkerConnector):
         self._sources[engine_id] = sources
         return sources
 
+    def _forget_engine(self, engine_id: str) -> None:
+        """Drop the peers of ``engine_id``: its next load handshakes again (a producer
+        that restarted, or whose READs failed)."""
+        sources = self._sources.pop(engine_id, ())
+        endpoint = self.endpoint
+        for source in sources:
+            if endpoint is not None and source.agent in endpoint.peers:
+                endpoint.remove_peer(source.agent)
+
     def _start(self, meta: NixlMetadata) -> None:
         self._started = True
-        self._peer_infos.update(meta.peers)
+        for engine_id, ranks in meta.peers.items():
+            if self._peer_infos.get(engine_id) != ranks:  # new, or the producer restarted
+                self._forget_engine(engine_id)
+            self._peer_infos[engine_id] = ranks
         now = time.monotonic()
         for rid in meta.sends:
             self._sends[rid] = now + self._settings.free_timeout_s
@@ -315,7 +328,7 @@ class NixlWorker(WorkerConnector):
             raise InvalidArgumentError(
                 f"request {load.request_id!r} already has a READ in flight", clause="SCH-013"
             )
-        entry = _Load(load.local_blocks, [])
+        entry = _Load(load.local_blocks, [], engine_id=load.engine_id)
         for source in sources:
             try:
                 entry.transfers.append(endpoint.start_read(
@@ -386,6 +399,11 @@ class NixlWorker(WorkerConnector):
                     _log.warning("rank %d: READ of %s from %s failed: %s", self._rank, rid,
                                  transfer.peer, transfer.reason)
                 if bad or entry.failed:
+                    if bad and not any(e.engine_id == entry.engine_id
+                                       for e in self._reads.values()):
+                        # handshake again before the next READ from that engine (once no
+                        # other READ from it is in flight: removing a peer fails those)
+                        self._forget_engine(entry.engine_id)
                     failed.add(rid)
                     invalid.update(entry.local_blocks)
                     self._count(load_failures=len(entry.local_blocks))

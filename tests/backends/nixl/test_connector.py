@@ -460,3 +460,45 @@ def test_garbage_notifications_are_dropped_and_the_genuine_one_still_frees() -> 
         assert stats is not None and stats.counters["bad_notifications"] == 7  # type: ignore[attr-defined]
     finally:
         _shutdown(consumers, producers)
+
+
+def _producer(engine_id: str, seed: int) -> tuple[NixlWorker, KVCacheLayout, torch.Tensor]:
+    config = EngineConfigView(engine_id=engine_id, role=TransferRole.PRODUCER, num_layers=2,
+                              block_size=BS, num_blocks=16)
+    layout = KVCacheLayout.contiguous(StrideOrder.BLNHC, KVPacking.CONCAT, torch.float16, 2, 16,
+                                      BS, HEADS, 8)
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (layout.span_bytes,), dtype=torch.uint8, generator=gen)
+    view = layout.view(buf.view(layout.dtype))
+    worker = NixlWorker(config, 0)
+    worker.register_kv_caches({f"l{i}": view[i] for i in range(2)}, layout)
+    return worker, layout, buf
+
+
+def test_a_restarted_producer_is_reached_again() -> None:
+    """Issue 14, defect 3: a producer restarted under the same engine id was never reached
+    again (the consumer kept the dead connection). New peer information replaces the old
+    peers; the READs from the restarted producer succeed, byte-exact."""
+    engine = f"prefill-{next(_ids)}"
+    first, layout, _ = _producer(engine, 70)
+    consumers, layout_c, dst = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 80)
+    second = None
+    try:
+        _step(first, NixlMetadata(sends=("p1",)))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d1", engine, (1,), (2,), "p1"),),
+                                         peers={engine: _rank_peers([first])}))
+        _until(consumers[0], "d1", recv=True)
+        assert consumers[0].get_failed_recving() == frozenset()
+        first.shutdown()  # the producer process "restarts": same engine id, new agent
+        second, _, src = _producer(engine, 71)
+        _step(second, NixlMetadata(sends=("p2",)))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d2", engine, (3,), (4,), "p2"),),
+                                         peers={engine: _rank_peers([second])}))
+        _until(consumers[0], "d2", recv=True)
+        assert consumers[0].get_failed_recving() == frozenset()
+        assert torch.equal(_heads_of(layout_c, dst[0], 3), _heads_of(layout, src, 4))
+    finally:
+        consumers[0].shutdown()
+        if second is not None:
+            second.shutdown()
+        first.shutdown()

@@ -56,3 +56,24 @@ def test_malformed_arguments_fail_typed_and_change_nothing(call: Any) -> None:
     # the same scheduler still works afterwards
     count, is_async = sched.get_num_new_matched_tokens(_handed_off(), 0)
     assert (count, is_async) == (8, True)
+
+
+def test_peers_are_forwarded_again_when_a_producer_changes() -> None:
+    """Issue 14, defect 3: the scheduler forwarded a producer's peers once per engine id
+    forever; a restarted producer (same engine id, new peer information) is forwarded."""
+    from kvspec.protocols import SchedulerOutputView
+
+    sched = _consumer()
+
+    def hand_off(rid: str, agent: str) -> dict[str, Any]:
+        req = RequestView(rid, tuple(range(1, 10)), kv_transfer_params={
+            "kind": PARAMS_KIND, "engine_id": "prefill", "request_id": rid, "blocks": [3, 4],
+            "peers": {"0": {"agent_name": agent}}})
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, AllocatedBlocks.single([1, 2, 3]), n or 0)
+        meta = sched.build_connector_meta(SchedulerOutputView(step_id=0))
+        return dict(meta.peers)  # type: ignore[attr-defined]
+
+    assert list(hand_off("a", "agent-1")) == ["prefill"]
+    assert hand_off("b", "agent-1") == {}  # unchanged: not sent again
+    assert list(hand_off("c", "agent-2")) == ["prefill"]  # restarted: sent again
