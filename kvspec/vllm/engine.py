@@ -10,6 +10,7 @@ time raises :class:`EngineError` and the process is killed on close.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import shutil
@@ -27,6 +28,7 @@ from kvspec.protocols import KVSpecError
 __all__ = ["EngineError", "EngineProcess", "vllm_python"]
 
 _MARK = "KVSPEC-RESULT "
+_log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -193,12 +195,12 @@ class EngineProcess:
     def kill(self) -> None:
         """Kill the engine process now (a crash, as far as its peers can tell)."""
         if self._proc.poll() is None:
-            self.resume()  # a stopped process dies only once continued
-            self._proc.kill()
+            self._proc.kill()  # SIGKILL ends a stopped (paused) process too
             try:
                 self._proc.wait(timeout=30)
             except subprocess.TimeoutExpired:  # pragma: no cover - the kernel's business
-                pass
+                _log.warning("engine process %d did not end 30 s after SIGKILL",
+                             self._proc.pid)
 
     def __enter__(self) -> EngineProcess:
         return self

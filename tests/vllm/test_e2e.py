@@ -65,8 +65,8 @@ def test_layerwise_offload_stores_in_its_per_layer_hooks(
 def test_example_connectors_run_in_vllm(vllm_logs: Path, baseline: list[list[int]],
                                         engines: list[Any], tmp_path: Path) -> None:
     """The project's shared-storage (async loads, files) and layerwise (synchronous loads in
-    per-layer hooks) example connectors: the first stores, the second reads the same files
-    in another engine process, and vice versa."""
+    per-layer hooks) example connectors: the first stores and loads its own files, the second
+    reads the same files in another engine process."""
     store = tmp_path / "kv"
     shared = {"factory": "kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
               "extra": {"storage_dir": str(store)}}

@@ -40,7 +40,7 @@ from kvspec.protocols import (
     UnknownRequestError,
 )
 
-from .._checks import check_blocks, check_count, check_request
+from .._checks import check_blocks, check_count, check_output, check_request
 from ._eviction import EvictionPolicy, make_policy
 
 __all__ = [
@@ -795,11 +795,7 @@ class OffloadScheduler(SchedulerConnector):
             UnknownRequestError: the output reports a transfer this role is not waiting
                 for; nothing changes then (SCH-028).
         """
-        if not isinstance(output, KVConnectorOutput):
-            raise InvalidArgumentError(
-                f"output must be a KVConnectorOutput, got {type(output).__name__}",
-                clause="ERR-002",
-            )
+        check_output(output)
         stray = sorted(
             {f"{r} (sending)" for r in output.finished_sending if r not in self._saving}
             | {f"{r} (recving)" for r in output.finished_recving if r not in self._loading}
