@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -172,7 +173,7 @@ def _control_us(point: NixlPoint, consumer: NixlWorker, peers: dict[int, Any],
     """Median scheduler + metadata + binding work for one request of ``point.blocks``."""
     bs = point.block_size
     params = {"kind": PARAMS_KIND, "engine_id": "bench-prefill", "request_id": "p",
-              "blocks": list(remote), "peers": {"0": peers[0]}}
+              "blocks": list(remote), "peers": {"0": peers[0]}, "secret": secrets.token_hex(16)}
     request = RequestView("d", tuple(range(point.blocks * bs + 1)), kv_transfer_params=params)
     blocks = AllocatedBlocks.single(range(point.blocks + 1))
     times = []
@@ -222,10 +223,11 @@ def measure_nixl_point(point: NixlPoint, *, repeats: int = 9, warmup: int = 2,
         times: list[float] = []
         descriptors = 0
         first = True
+        secret = secrets.token_hex(16)  # a well-formed hand-off secret for the notifications
         for rep in range(warmup + repeats):
             rid = f"d{rep}"
             meta = NixlMetadata(loads=(NixlLoad(rid, "prefill", tuple(local), tuple(remote),
-                                                f"p{rep}"),),
+                                                f"p{rep}", secret),),
                                 peers={"prefill": peers} if first else {})
             first = False
             start = time.perf_counter()

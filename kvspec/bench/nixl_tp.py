@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import random
+import secrets
 import statistics
 import time
 from collections.abc import Sequence
@@ -172,11 +173,13 @@ def measure_tp_point(point: TpPoint, *, repeats: int = 9, warmup: int = 2, seed:
         remote = random.Random(seed).sample(range(point.blocks), point.blocks)
         ctx = ForwardContextView(ForwardKind.REAL, 0, 1,
                                  tuple(f"l{i}" for i in range(point.layers)))
+        secret = secrets.token_hex(16)  # a well-formed hand-off secret for the notifications
         for rep in range(warmup + repeats):
             for c in configs:
                 rid = f"d{rep}"
                 meta = NixlMetadata(
-                    loads=(NixlLoad(rid, "prefill", tuple(local), tuple(remote), f"p{rep}"),),
+                    loads=(NixlLoad(rid, "prefill", tuple(local), tuple(remote), f"p{rep}",
+                                    secret),),
                     peers={"prefill": c.peers} if rep == 0 else {},
                 )
                 pending = set(range(len(c.consumers)))

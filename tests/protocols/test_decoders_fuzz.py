@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvspec.backends.nixl import NixlMetadata, PeerInfo
+from kvspec.backends.nixl import NixlLoad, NixlMetadata, PeerInfo
 from kvspec.backends.offload import OffloadMetadata
 from kvspec.conformance.connectors.layerwise import LayerwiseMetadata
 from kvspec.conformance.connectors.null import NullMetadata
@@ -23,7 +23,9 @@ from kvspec.protocols import HandshakeMetadata, KVSpecError, RequestView, freeze
 
 DECODERS: dict[str, tuple[Callable[[bytes], Any], bytes]] = {
     "offload": (OffloadMetadata.decode, OffloadMetadata().encode()),
-    "nixl": (NixlMetadata.decode, NixlMetadata().encode()),
+    "nixl": (NixlMetadata.decode, NixlMetadata(
+        loads=(NixlLoad("r", "e", (3, 0), (9, 1), "p", "0f" * 16),), sends={"q": "a1" * 16},
+        peers={"e": {0: {"agent_name": "a"}}}).encode()),
     "null": (NullMetadata.decode, NullMetadata().encode()),
     "shared-storage": (SharedStorageMetadata.decode, SharedStorageMetadata().encode()),
     "layerwise": (LayerwiseMetadata.decode, LayerwiseMetadata().encode()),

@@ -3,10 +3,11 @@
 Prefill/decode disaggregation, as vLLM's NIXL connector does it:
 
 * the **producer** (prefill) engine's ``request_finished`` returns ``kv_transfer_params``
-  naming its engine, the request's full prompt blocks and every rank's :class:`PeerInfo`
-  (from the workers' handshake metadata, HSK-002), and holds the blocks (delayed free,
+  naming its engine, the request's full prompt blocks, every rank's :class:`PeerInfo`
+  (from the workers' handshake metadata, HSK-002) and a fresh random secret, and holds the blocks (delayed free,
   SCH-016) until its workers report the request in ``finished_sending``: each rank does
-  once every consumer rank reading it sent its NIXL notification, or at ``free_timeout_s``;
+  once every consumer rank reading it sent its NIXL notification carrying that secret
+  (a notification without it is dropped and counted), or at ``free_timeout_s``;
 * the **consumer** (decode) engine's scheduler matches the handed-off blocks
   (``get_num_new_matched_tokens``, async), plans one READ per request in
   ``update_state_after_alloc`` and tells its workers; a worker loads the producer's agent
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -61,7 +64,20 @@ PARAMS_KIND = "kvspec.nixl.handoff"
 """The ``"kind"`` of the backend's ``kv_transfer_params``."""
 
 _META_KIND = "kvspec.nixl"
-_META_VERSION = 1
+_META_VERSION = 2
+
+_SECRET = re.compile(r"[0-9a-f]{32}")
+
+
+def _check_secret(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _SECRET.fullmatch(value):
+        raise InvalidArgumentError(f"{what} must be 32 lowercase hex digits, got {value!r}")
+    return value
+
+
+def new_handoff_secret() -> str:
+    """A fresh hand-off secret: 128 random bits as 32 lowercase hex digits."""
+    return secrets.token_hex(16)
 
 
 def _malformed(detail: str) -> NoReturn:
@@ -136,6 +152,8 @@ class NixlLoad:
             block to read (the consumer had them all), only the producer's notification.
         notification: What each rank sends the producer rank it read once the READ is done
             (the producer's request id).
+        secret: The hand-off's secret from the producer's ``kv_transfer_params``, sent
+            with the notification: the producer counts only notifications that carry it.
 
     Raises:
         InvalidArgumentError: a field is malformed.
@@ -146,12 +164,14 @@ class NixlLoad:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     notification: str
+    secret: str
 
     def __attrs_post_init__(self) -> None:
         for name in ("request_id", "engine_id", "notification"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise InvalidArgumentError(f"{name} must be a non-empty str, got {value!r}")
+        _check_secret(self.secret, "secret")
         _block_list(self.local_blocks, "local_blocks")
         _block_list(self.remote_blocks, "remote_blocks")
         if len(self.local_blocks) != len(self.remote_blocks):
@@ -164,7 +184,8 @@ class NixlLoad:
         """A JSON-ready dict of the fields (block ids as lists)."""
         return {"request_id": self.request_id, "engine_id": self.engine_id,
                 "local_blocks": list(self.local_blocks),
-                "remote_blocks": list(self.remote_blocks), "notification": self.notification}
+                "remote_blocks": list(self.remote_blocks), "notification": self.notification,
+                "secret": self.secret}
 
 
 _META_KEYS = frozenset({"kind", "version", "loads", "sends", "peers"})
@@ -177,8 +198,9 @@ class NixlMetadata:
 
     Attributes:
         loads: READs to start (consumer), each request at most once.
-        sends: Requests handed off this step (producer): each rank frees their blocks once
-            read, or at ``free_timeout_s``.
+        sends: Requests handed off this step (producer), each with its hand-off secret:
+            each rank frees their blocks once read (notifications that carry the secret),
+            or at ``free_timeout_s``.
         peers: Producer engines the workers have not been told about yet: engine id to
             ``{rank: PeerInfo JSON}``.
 
@@ -186,7 +208,7 @@ class NixlMetadata:
     """
 
     loads: tuple[NixlLoad, ...] = ()
-    sends: tuple[str, ...] = ()
+    sends: Mapping[str, str] = attrs.field(factory=dict)
     peers: Mapping[str, Mapping[int, Mapping[str, Any]]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -196,10 +218,14 @@ class NixlMetadata:
         ids = [j.request_id for j in self.loads]
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError("loads name a request twice", clause="SCH-013")
-        if not isinstance(self.sends, tuple) or not all(
+        if not isinstance(self.sends, Mapping) or not all(
             isinstance(r, str) and r for r in self.sends
-        ) or len(set(self.sends)) != len(self.sends):
-            raise InvalidArgumentError(f"sends must be distinct request ids, got {self.sends!r}")
+        ):
+            raise InvalidArgumentError(
+                f"sends must map request ids to hand-off secrets, got {self.sends!r}"
+            )
+        for secret in self.sends.values():
+            _check_secret(secret, "a hand-off secret")
         if not isinstance(self.peers, Mapping) or not all(
             isinstance(e, str) and isinstance(m, Mapping) and all(
                 type(r) is int and r >= 0 and isinstance(p, Mapping) for r, p in m.items()
@@ -216,7 +242,7 @@ class NixlMetadata:
         """UTF-8 JSON, no pickle (ERR-006)."""
         return json.dumps({
             "kind": _META_KIND, "version": _META_VERSION,
-            "loads": [j.to_json() for j in self.loads], "sends": list(self.sends),
+            "loads": [j.to_json() for j in self.loads], "sends": dict(self.sends),
             "peers": {e: {str(r): thaw_params(p) for r, p in m.items()}
                       for e, m in self.peers.items()},
         }, sort_keys=True, separators=(",", ":")).encode()
@@ -229,7 +255,7 @@ class NixlMetadata:
             MalformedMetadataError: anything else (ERR-005).
         """
         obj = decode_json_envelope(data, kind=_META_KIND, version=_META_VERSION,
-                                   keys=_META_KEYS, lists=("loads", "sends"), fail=_malformed)
+                                   keys=_META_KEYS, lists=("loads",), fail=_malformed)
         peers = obj["peers"]
         if not isinstance(peers, dict) or not all(
             isinstance(m, dict) and all(k.isdigit() and isinstance(p, dict) for k, p in m.items())
@@ -245,11 +271,15 @@ class NixlMetadata:
                     value["request_id"], value["engine_id"],
                     _block_list(value["local_blocks"], "local_blocks"),
                     _block_list(value["remote_blocks"], "remote_blocks"), value["notification"],
+                    value["secret"],
                 ))
             except InvalidArgumentError as e:
                 _malformed(f"loads[{i}]: {e.message}")
+        sends = obj["sends"]
+        if not isinstance(sends, dict):
+            _malformed(f"sends is {sends!r}; expected {{request id: secret}}")
         try:
-            return cls(loads=tuple(loads), sends=tuple(obj["sends"]), peers={
+            return cls(loads=tuple(loads), sends=sends, peers={
                 e: {int(r): p for r, p in m.items()} for e, m in peers.items()
             })
         except InvalidArgumentError as e:
@@ -264,6 +294,7 @@ class _Handoff:
     request_id: str
     blocks: tuple[int, ...]
     peers: Mapping[int, Mapping[str, Any]]
+    secret: str
 
 
 def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
@@ -284,10 +315,17 @@ def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
         if not isinstance(engine, str) or not engine or not isinstance(rid, str) or not rid:
             raise InvalidArgumentError("engine_id and request_id must be non-empty strings")
         return _Handoff(engine, rid, _block_list(params["blocks"], "blocks"),
-                        {int(r): p for r, p in peers.items()})
-    except (KeyError, InvalidArgumentError) as e:
+                        {int(r): p for r, p in peers.items()},
+                        _check_secret(params["secret"], "secret"))
+    except KeyError as e:
         raise MalformedMetadataError(
-            f"kv_transfer_params of kind {PARAMS_KIND!r} are malformed: {e}", clause="SCH-018"
+            f"kv_transfer_params of kind {PARAMS_KIND!r} lack the key {e}; expected "
+            "engine_id, request_id, blocks, peers and secret", clause="SCH-018"
+        ) from None
+    except InvalidArgumentError as e:
+        raise MalformedMetadataError(
+            f"kv_transfer_params of kind {PARAMS_KIND!r} are malformed: {e.message}",
+            clause="SCH-018",
         ) from None
 
 
@@ -308,7 +346,7 @@ class NixlScheduler(SchedulerConnector):
         self._consumed: set[str] = set()  # hand-offs already read (or being read): never again
         self._sending: set[str] = set()
         self._pending_loads: list[NixlLoad] = []
-        self._pending_sends: list[str] = []
+        self._pending_sends: dict[str, str] = {}
         self._pending_peers: dict[str, Mapping[int, Mapping[str, Any]]] = {}
 
     # -- handshake ----------------------------------------------------------------------
@@ -387,7 +425,7 @@ class NixlScheduler(SchedulerConnector):
                 f"{len(h.blocks)} handed-off or {len(ids)} allocated blocks", clause="SCH-010",
             )
         self._pending_loads.append(NixlLoad(rid, h.engine_id, tuple(ids[first:last]),
-                                            h.blocks[first:last], h.request_id))
+                                            h.blocks[first:last], h.request_id, h.secret))
         self._consumed.add(rid)
         if num_external_tokens:
             self._loading.add(rid)
@@ -420,10 +458,11 @@ class NixlScheduler(SchedulerConnector):
         if full == 0 or not self._peers:
             return False, None
         self._sending.add(rid)
-        self._pending_sends.append(rid)
+        secret = new_handoff_secret()
+        self._pending_sends[rid] = secret
         return True, {
             "kind": PARAMS_KIND, "engine_id": self._config.engine_id, "request_id": rid,
-            "blocks": list(block_ids[:full]),
+            "blocks": list(block_ids[:full]), "secret": secret,
             "peers": {str(r): thaw_params(p) for r, p in sorted(self._peers.items())},
         }
 
@@ -433,7 +472,7 @@ class NixlScheduler(SchedulerConnector):
         """The READs, hand-offs and new peers planned since the last call, once each
         (SCH-011, SCH-013); never waits (SCH-014)."""
         check_scheduler_output(scheduler_output)
-        meta = NixlMetadata(tuple(self._pending_loads), tuple(self._pending_sends),
+        meta = NixlMetadata(tuple(self._pending_loads), dict(self._pending_sends),
                             dict(self._pending_peers))
         self._pending_loads.clear()
         self._pending_sends.clear()

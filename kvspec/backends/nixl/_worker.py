@@ -15,7 +15,10 @@
   and ``failed_recving`` with all of its blocks invalid (WRK-011, ERR-007).
 * Producer: each handed-off request is reported in ``finished_sending`` once this rank got
   a notification from every consumer rank that reads it (NIXL delivers one when a READ
-  completed; each says how many to expect), or at ``free_timeout_s``.
+  completed; each says how many to expect), or at ``free_timeout_s``. A notification
+  counts only if it carries the hand-off's secret, which only the engine the request was
+  handed to learned (from ``kv_transfer_params``): any other agent's is dropped and
+  counted, so it cannot free blocks before their read.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from kvspec.protocols import (
 
 from ._descriptors import PeerInfo
 from ._heads import head_runs, overlap
-from ._scheduler import NixlLoad, NixlMetadata, NixlSettings
+from ._scheduler import NixlLoad, NixlMetadata, NixlSettings, _SECRET
 from ._transport import NixlEndpoint, NixlTransfer, TransferState
 
 __all__ = ["NixlWorker"]
@@ -81,8 +84,8 @@ class _Notes:
     first_seen: float
 
 
-def _notification(request_id: str, readers: int) -> bytes:
-    return f"{request_id}|{readers}".encode()
+def _notification(load: NixlLoad, readers: int) -> bytes:
+    return f"{load.secret}|{readers}|{load.notification}".encode()
 
 
 _MAX_READERS = 1 << 16
@@ -91,19 +94,24 @@ _MAX_EARLY_NOTES = 1 << 16
 a peer is flooding and further ones are dropped."""
 
 
-def _parse_notification(message: bytes) -> tuple[str, int] | None:
-    """``(request id, notifications expected)`` from ``_notification``'s bytes, or None for
-    anything else: not UTF-8, no count, a count that is not 1 to 5 ASCII digits (``'²'`` is a
-    digit to ``str.isdigit`` but not to ``int``) or outside ``[1, 65536]``."""
+def _parse_notification(message: bytes) -> tuple[str, str, int] | None:
+    """``(request id, secret, notifications expected)`` from ``_notification``'s bytes
+    (``secret|count|request id``), or None for anything else: not UTF-8, a secret that is
+    not 32 lowercase hex digits, a count that is not 1 to 5 ASCII digits (``'²'`` is a digit
+    to ``str.isdigit`` but not to ``int``) or outside ``[1, 65536]``, no request id."""
     try:
         text = message.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    rid, sep, count = text.rpartition("|")
-    if not (sep and rid and count.isascii() and count.isdigit() and len(count) <= 5):
+    parts = text.split("|", 2)
+    if len(parts) != 3:
+        return None
+    secret, count, rid = parts
+    if not (rid and _SECRET.fullmatch(secret) and count.isascii() and count.isdigit()
+            and len(count) <= 5):
         return None
     n = int(count)
-    return (rid, n) if 1 <= n <= _MAX_READERS else None
+    return (rid, secret, n) if 1 <= n <= _MAX_READERS else None
 
 
 class NixlWorker(WorkerConnector):
@@ -132,10 +140,11 @@ class NixlWorker(WorkerConnector):
         self._sources: dict[str, tuple[_Source, ...]] = {}  # producer engine -> its ranks read
         self._reads: dict[str, _Load] = {}
         self._failed_early: dict[str, tuple[int, ...]] = {}  # loads that never started
-        self._sends: dict[str, float] = {}  # producer: request -> free deadline
-        # producer: request -> [notifications got, expected, first seen]; a notification
-        # may arrive before the step that names the request in ``sends``.
-        self._notes: dict[str, _Notes] = {}
+        self._sends: dict[str, tuple[float, str]] = {}  # producer: request -> (free
+        # deadline, secret)
+        # producer: (request, secret) -> notifications got, expected, first seen; a
+        # notification may arrive before the step that names the request in ``sends``.
+        self._notes: dict[tuple[str, str], _Notes] = {}
         self._failed: frozenset[str] = frozenset()
         self._invalid: frozenset[int] = frozenset()
         self._counters: dict[str, int] = {}
@@ -294,8 +303,8 @@ class NixlWorker(WorkerConnector):
                 self._forget_engine(engine_id)
             self._peer_infos[engine_id] = ranks
         now = time.monotonic()
-        for rid in meta.sends:
-            self._sends[rid] = now + self._settings.free_timeout_s
+        for rid, secret in meta.sends.items():
+            self._sends[rid] = (now + self._settings.free_timeout_s, secret)
         if not meta.loads:
             return
         endpoint = self.endpoint
@@ -320,9 +329,7 @@ class NixlWorker(WorkerConnector):
             return
         if not load.local_blocks:  # nothing to read: only free the producer's blocks
             for source in sources:
-                endpoint.send_notification(
-                    source.agent, _notification(load.notification, source.readers)
-                )
+                endpoint.send_notification(source.agent, _notification(load, source.readers))
             return
         if load.request_id in self._reads:
             raise InvalidArgumentError(
@@ -334,7 +341,7 @@ class NixlWorker(WorkerConnector):
                 entry.transfers.append(endpoint.start_read(
                     source.agent, load.local_blocks, load.remote_blocks,
                     timeout=self._settings.transfer_timeout_s,
-                    notification=_notification(load.notification, source.readers),
+                    notification=_notification(load, source.readers),
                 ))
             except CompatibilityError:
                 raise
@@ -373,20 +380,22 @@ class NixlWorker(WorkerConnector):
             for peer, messages in endpoint.notifications().items():
                 for message in messages:
                     parsed = _parse_notification(message)
-                    if parsed is None or (parsed[0] not in self._notes
-                                          and parsed[0] not in self._sends
-                                          and len(self._notes) >= _MAX_EARLY_NOTES):
-                        # A peer's garbage (or flood) is dropped and counted; the other
-                        # notifications of the batch still count.
+                    sent = None if parsed is None else self._sends.get(parsed[0])
+                    if parsed is None or (
+                        sent is not None and sent[1] != parsed[1]  # not the secret
+                    ) or (sent is None and parsed[:2] not in self._notes
+                          and len(self._notes) >= _MAX_EARLY_NOTES):
+                        # A peer's garbage, a spoofed notification (or a flood) is dropped
+                        # and counted; the other notifications of the batch still count.
                         dropped.append((peer, message[:80]))
                         continue
-                    rid, expected = parsed
-                    note = self._notes.setdefault(rid, _Notes(0, expected, now))
+                    rid, secret, expected = parsed
+                    note = self._notes.setdefault((rid, secret), _Notes(0, expected, now))
                     note.got += 1
                     note.expected = max(note.expected, expected)
             if dropped:  # one line per call, however many: a flood must not flood the log
                 self._count(bad_notifications=len(dropped))
-                _log.warning("rank %d: dropped %d malformed or excess notifications, the "
+                _log.warning("rank %d: dropped %d malformed, spoofed or excess notifications, the "
                              "first from %s: %r", self._rank, len(dropped), *dropped[0])
             for rid, entry in list(self._reads.items()):
                 states = [endpoint.poll(t) for t in entry.transfers]
@@ -410,20 +419,21 @@ class NixlWorker(WorkerConnector):
                 else:
                     self._count(blocks_loaded=len(entry.local_blocks),
                                 bytes_loaded=sum(t.nbytes for t in entry.transfers))
-        for rid, deadline in list(self._sends.items()):
-            notes = self._notes.get(rid)
+        for rid, (deadline, secret) in list(self._sends.items()):
+            notes = self._notes.get((rid, secret))
             if notes is not None and notes.got >= notes.expected:
-                del self._sends[rid], self._notes[rid]
+                del self._sends[rid], self._notes[rid, secret]
                 sending.add(rid)
             elif now >= deadline:
                 _log.warning("rank %d: not every consumer rank read request %s within "
                              "%.0f s; freeing", self._rank, rid, self._settings.free_timeout_s)
                 del self._sends[rid]
-                self._notes.pop(rid, None)
+                self._notes.pop((rid, secret), None)
                 sending.add(rid)
-        for rid, notes in list(self._notes.items()):  # for requests this rank never sent
-            if rid not in self._sends and now - notes.first_seen > self._settings.free_timeout_s:
-                del self._notes[rid]
+        for key, notes in list(self._notes.items()):  # early ones nobody claimed (or spoofed)
+            if (self._sends.get(key[0], (0.0, ""))[1] != key[1]
+                    and now - notes.first_seen > self._settings.free_timeout_s):
+                del self._notes[key]
         self._failed = frozenset(failed)
         self._invalid = frozenset(invalid)
         return frozenset(sending), frozenset(recving)

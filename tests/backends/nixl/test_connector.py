@@ -54,6 +54,7 @@ from kvspec.protocols import (  # noqa: E402
 pytestmark = pytest.mark.nixl
 
 BS = 4
+S = "5e" * 16  # a hand-off secret
 _ids = iter(range(1 << 30))
 
 
@@ -108,17 +109,21 @@ def _peers(worker: NixlWorker) -> dict[int, dict[str, Any]]:
 
 
 def test_metadata_round_trips_and_rejects_malformed() -> None:
-    meta = NixlMetadata(loads=(NixlLoad("r1", "prefill", (3, 4), (9, 1), "p1"),),
-                        sends=("p2",), peers={"prefill": {0: {"agent_name": "a"}}})
+    meta = NixlMetadata(loads=(NixlLoad("r1", "prefill", (3, 4), (9, 1), "p1", S),),
+                        sends={"p2": S}, peers={"prefill": {0: {"agent_name": "a"}}})
     assert NixlMetadata.decode(meta.encode()) == meta
     good = meta.encode()
-    for bad in (b"", b"[]", good.replace(b'"version":1', b'"version":2'),
+    secret = S.encode()
+    for bad in (b"", b"[]", good.replace(b'"version":2', b'"version":1'),
                 good.replace(b"[3,4]", b"[3,3]"), good.replace(b"[9,1]", b"[9]"),
-                good.replace(b'"0":', b'"x":'), good.replace(b'"sends":["p2"]', b'"sends":[1]')):
+                good.replace(b'"0":', b'"x":'), good.replace(b'"p2":', b'"":'),
+                good.replace(b'"sends":{', b'"sends":[{').replace(secret + b'"}', secret + b'"}]'),
+                good.replace(secret, secret.upper()), good.replace(secret, secret[:-2])):
+        assert bad != good
         with pytest.raises(MalformedMetadataError):
             NixlMetadata.decode(bad)
     with pytest.raises(InvalidArgumentError):
-        NixlLoad("r", "e", (1,), (1, 2), "n")
+        NixlLoad("r", "e", (1,), (1, 2), "n", S)
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -140,7 +145,8 @@ def test_scheduler_hands_off_and_plans_reads() -> None:
     delay, params = prefill.request_finished(done, (5, 6, 7, 8))
     assert delay and params is not None
     assert params["kind"] == PARAMS_KIND and params["blocks"] == [5, 6, 7]  # 3 full blocks
-    assert prefill.build_connector_meta(SchedulerOutputView(step_id=0)).sends == ("p",)
+    assert prefill.build_connector_meta(SchedulerOutputView(step_id=0)).sends == {  # type: ignore[attr-defined]
+        "p": params["secret"]}
     aborted = _request("q", 14, status=RequestStatus.ABORTED, num_computed_tokens=14)
     assert prefill.request_finished(aborted, (1, 2, 3)) == (False, None)
     prefill.update_connector_output(KVConnectorOutput(finished_sending=frozenset({"p"})))
@@ -156,7 +162,8 @@ def test_scheduler_hands_off_and_plans_reads() -> None:
     meta = decode.build_connector_meta(SchedulerOutputView(step_id=1))
     assert isinstance(meta, NixlMetadata)
     (load,) = meta.loads
-    assert (load.local_blocks, load.remote_blocks, load.notification) == ((1, 2), (6, 7), "p")
+    assert (load.local_blocks, load.remote_blocks, load.notification, load.secret) == (
+        (1, 2), (6, 7), "p", params["secret"])
     assert set(meta.peers) == {params["engine_id"]}
     assert decode.get_num_new_matched_tokens(r, 4) == (0, False)  # never read twice
     decode.update_connector_output(KVConnectorOutput(finished_recving=frozenset({"d"})))
@@ -176,9 +183,9 @@ def test_worker_pair_moves_blocks_and_frees_on_notification(order: StrideOrder) 
     consumer, _, dst = _worker(_config(TransferRole.CONSUMER, "decode"), 2, order)
     try:
         engine = "prefill-engine"
-        _step(producer, NixlMetadata(sends=("p",)))
+        _step(producer, NixlMetadata(sends={"p": S}))
         assert producer.get_finished(frozenset()) == (frozenset(), frozenset())  # held
-        _step(consumer, NixlMetadata(loads=(NixlLoad("d", engine, (4, 0, 9), (1, 2, 3), "p"),),
+        _step(consumer, NixlMetadata(loads=(NixlLoad("d", engine, (4, 0, 9), (1, 2, 3), "p", S),),
                                      peers={engine: _peers(producer)}))
         _until(consumer, "d", recv=True)
         assert consumer.get_failed_recving() == frozenset()
@@ -202,7 +209,7 @@ def test_incompatible_producer_fails_the_handshake() -> None:
     consumer, _, _ = _worker(_config(TransferRole.CONSUMER, "decode"), 2, StrideOrder.BLNHC)
     try:
         with pytest.raises(CompatibilityError):
-            _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (1,), (1,), "p"),),
+            _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (1,), (1,), "p", S),),
                                          peers={"e": _peers(producer)}))
     finally:
         consumer.shutdown()
@@ -218,7 +225,7 @@ def test_read_from_a_dead_producer_is_a_failed_receive_with_invalid_blocks() -> 
     producer.shutdown()  # its agent and registration are gone
     try:
         start = time.monotonic()
-        _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (3, 5), (1, 2), "p"),),
+        _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (3, 5), (1, 2), "p", S),),
                                      peers={"e": peers}))
         _until(consumer, "d", recv=True)
         assert time.monotonic() - start < 5
@@ -243,7 +250,7 @@ def test_a_stalled_producer_fails_the_read_at_the_timeout() -> None:
                         agent_metadata=agent.get_agent_metadata(), base_address=buf.data_ptr())
     try:
         start = time.monotonic()
-        _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (3,), (1,), "p"),),
+        _step(consumer, NixlMetadata(loads=(NixlLoad("d", "e", (3,), (1,), "p", S),),
                                      peers={"e": {0: info.to_json()}}))
         _until(consumer, "d", recv=True)
         assert 0.3 <= time.monotonic() - start < 5
@@ -340,8 +347,8 @@ def test_one_producer_rank_serves_two_consumer_ranks(
     consumers, layout_c, dst = _ranks(TransferRole.CONSUMER, "decode", 2, order, 20, packing)
     try:
         engine, pairs = "prefill", ((4, 1), (0, 2), (9, 15))
-        load = NixlLoad("d", engine, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), "p")
-        _step(producers[0], NixlMetadata(sends=("p",)))
+        load = NixlLoad("d", engine, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), "p", S)
+        _step(producers[0], NixlMetadata(sends={"p": S}))
         _step(consumers[0], NixlMetadata(loads=(load,), peers={engine: _rank_peers(producers)}))
         _until(consumers[0], "d", recv=True)
         time.sleep(0.2)  # the notification of rank 0 has arrived: one of two
@@ -367,8 +374,8 @@ def test_one_consumer_rank_reads_two_producer_ranks(order: StrideOrder) -> None:
     try:
         engine = "prefill"
         for w in producers:
-            _step(w, NixlMetadata(sends=("p",)))
-        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (7, 3), (0, 14), "p"),),
+            _step(w, NixlMetadata(sends={"p": S}))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (7, 3), (0, 14), "p", S),),
                                          peers={engine: _rank_peers(producers)}))
         _until(consumers[0], "d", recv=True)
         assert consumers[0].get_failed_recving() == frozenset()
@@ -393,8 +400,8 @@ def test_a_dead_producer_rank_fails_the_whole_receive() -> None:
     peers = _rank_peers(producers)
     producers[1].shutdown()
     try:
-        _step(producers[0], NixlMetadata(sends=("p",)))
-        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", "e", (3, 5), (1, 2), "p"),),
+        _step(producers[0], NixlMetadata(sends={"p": S}))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", "e", (3, 5), (1, 2), "p", S),),
                                          peers={"e": peers}))
         _until(consumers[0], "d", recv=True)
         assert consumers[0].get_failed_recving() == {"d"}
@@ -409,12 +416,12 @@ def test_a_notification_before_the_hand_off_step_is_kept() -> None:
     producers, _, _ = _ranks(TransferRole.PRODUCER, "prefill", 1, StrideOrder.LBHNC, 70)
     consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.LBHNC, 80)
     try:
-        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", "e", (1,), (2,), "p"),),
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", "e", (1,), (2,), "p", S),),
                                          peers={"e": _rank_peers(producers)}))
         _until(consumers[0], "d", recv=True)
         time.sleep(0.2)
         assert producers[0].get_finished(frozenset()) == (frozenset(), frozenset())
-        _step(producers[0], NixlMetadata(sends=("p",)))
+        _step(producers[0], NixlMetadata(sends={"p": S}))
         _until(producers[0], "p", recv=False, timeout=2.0)
     finally:
         _shutdown(consumers, producers)
@@ -428,7 +435,7 @@ def test_models_with_different_head_counts_fail_the_handshake() -> None:
     peers[1]["layout"]["num_heads"] = 1  # rank 1 of a model with 3 heads
     try:
         with pytest.raises(CompatibilityError, match="heads differ"):
-            _step(consumers[2], NixlMetadata(loads=(NixlLoad("d", "e", (1,), (2,), "p"),),
+            _step(consumers[2], NixlMetadata(loads=(NixlLoad("d", "e", (1,), (2,), "p", S),),
                                              peers={"e": peers}))
         assert consumers[2].endpoint is not None
         assert consumers[2].endpoint.resources().peers == 0
@@ -445,14 +452,15 @@ def test_garbage_notifications_are_dropped_and_the_genuine_one_still_frees() -> 
     consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 60)
     try:
         engine = "prefill"
-        _step(producers[0], NixlMetadata(sends=("p",)))
-        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (1,), (2,), "p"),),
+        _step(producers[0], NixlMetadata(sends={"p": S}))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (1,), (2,), "p", S),),
                                          peers={engine: _rank_peers(producers)}))
         _until(consumers[0], "d", recv=True)  # the READ is done, its notification sent
         endpoint = consumers[0].endpoint
         assert endpoint is not None and endpoint.peers
-        for junk in ("p|²".encode(), b"p|" + b"9" * 5000, b"\xff\xfe|1", b"no-count",
-                     b"p|0", b"|1", b"p|99999"):
+        for junk in (f"{S}|²|p".encode(), f"{S}|{'9' * 5000}|p".encode(), b"\xff\xfe|1|p",
+                     b"no-count", f"{S}|0|p".encode(), f"{S}|1|".encode(),
+                     f"{S}|99999|p".encode()):
             assert endpoint.send_notification(endpoint.peers[0], junk)
         time.sleep(0.2)  # every message has arrived: one batch for the producer
         _until(producers[0], "p", recv=False)
@@ -484,15 +492,15 @@ def test_a_restarted_producer_is_reached_again() -> None:
     consumers, layout_c, dst = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 80)
     second = None
     try:
-        _step(first, NixlMetadata(sends=("p1",)))
-        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d1", engine, (1,), (2,), "p1"),),
+        _step(first, NixlMetadata(sends={"p1": S}))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d1", engine, (1,), (2,), "p1", S),),
                                          peers={engine: _rank_peers([first])}))
         _until(consumers[0], "d1", recv=True)
         assert consumers[0].get_failed_recving() == frozenset()
         first.shutdown()  # the producer process "restarts": same engine id, new agent
         second, _, src = _producer(engine, 71)
-        _step(second, NixlMetadata(sends=("p2",)))
-        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d2", engine, (3,), (4,), "p2"),),
+        _step(second, NixlMetadata(sends={"p2": S}))
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d2", engine, (3,), (4,), "p2", S),),
                                          peers={engine: _rank_peers([second])}))
         _until(consumers[0], "d2", recv=True)
         assert consumers[0].get_failed_recving() == frozenset()
@@ -502,3 +510,81 @@ def test_a_restarted_producer_is_reached_again() -> None:
         if second is not None:
             second.shutdown()
         first.shutdown()
+
+
+def _progress(sender: NixlWorker, receiver: NixlWorker, seconds: float = 0.3
+              ) -> tuple[frozenset[str], frozenset[str]]:
+    """Poll both for ``seconds`` (a consumer's agent sends only while it is polled, as an
+    engine's every step does); what the receiver reported, together."""
+    sending: set[str] = set()
+    recving: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sender.get_finished(frozenset())
+        s, r = receiver.get_finished(frozenset())
+        sending |= s
+        recving |= r
+        time.sleep(0.005)
+    return frozenset(sending), frozenset(recving)
+
+
+def test_a_notification_without_the_hand_off_secret_frees_nothing() -> None:
+    """Issue 14: notifications were unauthenticated, so any agent that reached the
+    producer and knew a request id freed its blocks before the real read. A notification
+    counts only with the hand-off's secret (sent to the consumer in kv_transfer_params):
+    a spoofed one before the step that names the hand-off never counts towards it (it
+    expires), those after it are dropped and counted; the consumer's genuine one still
+    frees the blocks.""" 
+    producers, _, _ = _ranks(TransferRole.PRODUCER, "prefill", 1, StrideOrder.BLNHC, 110)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 120)
+    spoofer, _, _ = _ranks(TransferRole.CONSUMER, "mallory", 1, StrideOrder.BLNHC, 130)
+    other = "a1" * 16
+    try:
+        engine = "prefill"
+        # the spoofer knows the producer's agent (its PeerInfo) and the request id
+        _step(spoofer[0], NixlMetadata(loads=(NixlLoad("m", engine, (), (), "p", other),),
+                                       peers={engine: _rank_peers(producers)}))
+        _progress(spoofer[0], producers[0])  # arrives before the step naming the hand-off
+        assert producers[0].get_finished(frozenset()) == (frozenset(), frozenset())
+        _step(producers[0], NixlMetadata(sends={"p": S}))
+        endpoint = spoofer[0].endpoint
+        assert endpoint is not None and endpoint.peers
+        for message in (f"{other}|1|p", "p|1", f"{S[:-1]}|1|p"):
+            assert endpoint.send_notification(endpoint.peers[0], message.encode())
+        # still held: nothing carried the secret
+        assert _progress(spoofer[0], producers[0]) == (frozenset(), frozenset())
+        _step(consumers[0], NixlMetadata(loads=(NixlLoad("d", engine, (1,), (2,), "p", S),),
+                                         peers={engine: _rank_peers(producers)}))
+        _until(consumers[0], "d", recv=True)
+        assert consumers[0].get_failed_recving() == frozenset()
+        _until(producers[0], "p", recv=False)
+        stats = producers[0].get_kv_connector_stats()
+        assert stats is not None and stats.counters["bad_notifications"] == 3  # type: ignore[attr-defined]
+    finally:
+        _shutdown(consumers + spoofer, producers)
+
+
+def test_hand_off_parameters_carry_a_fresh_secret_the_consumer_needs() -> None:
+    prefill = NixlScheduler(_config(TransferRole.PRODUCER, "prefill"))
+
+    class _Hs:
+        payload = {"peer": {"agent_name": "prefill-rank0"}}
+
+    prefill.set_xfer_handshake_metadata({0: _Hs()})  # type: ignore[dict-item]
+    secrets = []
+    for rid in ("p1", "p2"):
+        done = _request(rid, 8, status=RequestStatus.FINISHED, num_computed_tokens=8)
+        _, params = prefill.request_finished(done, (5, 6))
+        assert params is not None
+        secrets.append(params["secret"])
+    assert secrets[0] != secrets[1] and all(len(x) == 32 for x in secrets)
+    meta = prefill.build_connector_meta(SchedulerOutputView(step_id=0))
+    assert dict(meta.sends) == {"p1": secrets[0], "p2": secrets[1]}  # type: ignore[attr-defined]
+    decode = NixlScheduler(_config(TransferRole.CONSUMER, "decode"))
+    for bad in (None, "", "X" * 32, secrets[0][:-1], 7):
+        forged = {**params, "secret": bad}
+        with pytest.raises(MalformedMetadataError):
+            decode.get_num_new_matched_tokens(_request("d", 8, kv_transfer_params=forged), 0)
+    missing = {k: v for k, v in params.items() if k != "secret"}
+    with pytest.raises(MalformedMetadataError):
+        decode.get_num_new_matched_tokens(_request("d", 8, kv_transfer_params=missing), 0)

@@ -29,7 +29,7 @@ def _consumer() -> NixlScheduler:
 def _handed_off(rid: str = "d") -> RequestView:
     return RequestView(rid, tuple(range(1, 10)), kv_transfer_params={
         "kind": PARAMS_KIND, "engine_id": "prefill", "request_id": "p", "blocks": [3, 4],
-        "peers": {"0": {}}})
+        "peers": {"0": {}}, "secret": "0f" * 16})
 
 
 @pytest.mark.parametrize("call", [
@@ -68,7 +68,7 @@ def test_peers_are_forwarded_again_when_a_producer_changes() -> None:
     def hand_off(rid: str, agent: str) -> dict[str, Any]:
         req = RequestView(rid, tuple(range(1, 10)), kv_transfer_params={
             "kind": PARAMS_KIND, "engine_id": "prefill", "request_id": rid, "blocks": [3, 4],
-            "peers": {"0": {"agent_name": agent}}})
+            "peers": {"0": {"agent_name": agent}}, "secret": "0f" * 16})
         n, _ = sched.get_num_new_matched_tokens(req, 0)
         sched.update_state_after_alloc(req, AllocatedBlocks.single([1, 2, 3]), n or 0)
         meta = sched.build_connector_meta(SchedulerOutputView(step_id=0))
