@@ -1,6 +1,6 @@
 """The worker role of the offloading backend: the host pool and its background transfers.
 
-One background thread per worker (a ``ThreadPoolExecutor`` of one) runs the step's stores
+One background thread per worker (a daemon :class:`~._runner.Runner`) runs the step's stores
 and loads in submission order, each as one vectorised gather/scatter
 (:class:`~kvspec.backends.offload._pool.HostPool`). Stores read the engine's blocks in the
 background: the engine holds them by a delayed free until ``finished_sending`` (SCH-016), so
@@ -8,6 +8,13 @@ background: the engine holds them by a delayed free until ``finished_sending`` (
 successful store; a load whose slot holds another tag (evicted, overwritten, a failed
 store) or an injected fault fails its blocks: the request is reported in
 ``finished_recving`` and ``failed_recving`` with those block ids invalid (WRK-011).
+
+A copy still running at its deadline (``io_timeout_s``: a stuck device, a hung driver) is
+never waited for: its request is reported at once, a load as failed with every block
+invalid, a store as failed (its slots stay invalid, the scheduler role never advertises
+it). Until that copy ends, the worker is *wedged*: new transfers fail at once instead of
+queueing behind it, and ``shutdown`` returns without it, logging the thread it could not
+stop (a daemon: it does not keep the process alive).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from kvspec.protocols import (
 )
 
 from ._pool import CopyPlan, HostPool
+from ._runner import Runner
 from ._stage import SaveStage
 from ._scheduler import FailedStores, OffloadMetadata, OffloadSettings, TransferJob
 
@@ -44,6 +52,9 @@ __all__ = ["OffloadWorker"]
 
 _log = logging.getLogger(__name__)
 _LOCK_TIMEOUT_S = 5.0
+_SHUTDOWN_WAIT_S = 5.0
+"""At most this long ``shutdown`` waits for a copy that is running and not yet past its
+deadline; a copy past it is not waited for at all."""
 
 
 class _Job:
@@ -97,7 +108,8 @@ class OffloadWorker(WorkerConnector):
         """The host pool, once ``register_kv_caches`` ran."""
         self._slot_tags: list[int] = []  # the tag of each slot's last completed store
         self._stream: torch.cuda.Stream | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: Runner | None = None
+        self._stuck: list[_Job] = []  # timed out while their copy ran: wedged until it ends
         self._closing = threading.Event()
         self._closed = False
         self._loads: dict[str, _Job] = {}
@@ -145,9 +157,7 @@ class OffloadWorker(WorkerConnector):
         if tensors[0].is_cuda:
             self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
         self._layout = layout
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"kvspec-offload-rank{self._rank}"
-        )
+        self._executor = Runner(f"kvspec-offload-rank{self._rank}")
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -305,9 +315,19 @@ class OffloadWorker(WorkerConnector):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()  # the forward's KV writes so far
         timeout = self._settings.io_timeout_s
+        wedged = self._wedged()
         for job, plan in zip((*meta.loads, *meta.stores), plans):
             j = _Job(job, plan, timeout)
-            if self._stage is not None and not job.is_load:  # gathered by the hooks
+            if wedged is not None:  # queued behind a stuck copy it would only time out
+                if not job.is_load:
+                    for slot in job.slots:
+                        self._slot_tags[slot] = -1
+                    self._count(store_failures=len(job))
+                else:
+                    self._count(load_failures=len(job))
+                j.future = concurrent.futures.Future()
+                j.future.set_result(job.block_ids)
+            elif self._stage is not None and not job.is_load:  # gathered by the hooks
                 for slot in job.slots:
                     self._slot_tags[slot] = -1  # invalid until stored
                 j.future = concurrent.futures.Future()
@@ -315,6 +335,12 @@ class OffloadWorker(WorkerConnector):
             else:
                 j.future = executor.submit(self._run, j, event)
             (self._loads if job.is_load else self._stores)[job.request_id] = j
+
+    def _wedged(self) -> _Job | None:
+        """A timed-out job whose copy still runs (the background thread is stuck in it),
+        or None; forgets those that ended."""
+        self._stuck = [j for j in self._stuck if j.lock.locked()]
+        return self._stuck[0] if self._stuck else None
 
     @staticmethod
     def _plan(pool: HostPool, job: TransferJob) -> CopyPlan | None:
@@ -354,9 +380,9 @@ class OffloadWorker(WorkerConnector):
             if self._closing.is_set() or j.cancelled.is_set():
                 return job.block_ids
             if job.is_load:
-                return self._load(pool, job, j.plan, event)
+                return self._load(pool, j, j.plan, event)
             assert j.plan is not None
-            return self._store(pool, job, j.plan, event)
+            return self._store(pool, j, j.plan, event)
         except (KVSpecError, RuntimeError, ValueError) as e:
             _log.warning("rank %d: %s of request %s failed: %s", self._rank,
                          "load" if job.is_load else "store", job.request_id, e)
@@ -389,21 +415,36 @@ class OffloadWorker(WorkerConnector):
         micros = int((time.perf_counter() - start) * 1e6)
         self._count(**{"store_copy_us" if store else "load_copy_us": max(1, micros)})
 
-    def _store(self, pool: HostPool, job: TransferJob, plan: CopyPlan,
+    def _late(self, j: _Job) -> bool:
+        """True (and logged) when ``j`` was cancelled while its copy ran: its request was
+        already reported failed."""
+        if not j.cancelled.is_set():
+            return False
+        _log.warning("rank %d: the %s of request %s ended after its deadline; it had been "
+                     "reported failed", self._rank, "load" if j.job.is_load else "store",
+                     j.job.request_id)
+        return True
+
+    def _store(self, pool: HostPool, j: _Job, plan: CopyPlan,
                event: torch.cuda.Event | None) -> tuple[int, ...]:
         tags = self._slot_tags
+        job = j.job
         for s in job.slots:
             tags[s] = -1  # invalid until the copy completes
         self._copy(pool, plan, True, event)
+        if self._late(j):  # reported failed: its slots stay invalid
+            self._count(store_failures=len(job))
+            return job.block_ids
         for s, t in zip(job.slots, job.tags):
             tags[s] = t
         n = len(job)
         self._count(blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
         return ()
 
-    def _load(self, pool: HostPool, job: TransferJob, plan: CopyPlan | None,
+    def _load(self, pool: HostPool, j: _Job, plan: CopyPlan | None,
               event: torch.cuda.Event | None) -> tuple[int, ...]:
         tags = self._slot_tags
+        job = j.job
         rate = self._settings.load_fault_rate
         slots = job.slots
         if min(slots) >= 0 and not rate and list(map(tags.__getitem__, slots)) == list(job.tags):
@@ -419,18 +460,28 @@ class OffloadWorker(WorkerConnector):
                 plan = pool.plan([b for b, _ in keep], [s for _, s in keep]) if keep else None
         if plan is not None:
             self._copy(pool, plan, False, event)
+        if self._late(j):
+            self._count(load_failures=len(job))
+            return job.block_ids
         good = len(job) - len(failed)
         self._count(blocks_loaded=good, bytes_loaded=good * pool.bytes_per_block,
                     load_failures=len(failed))
         return tuple(failed)
 
     def _cancel(self, j: _Job) -> None:
+        """Cancel ``j`` without waiting: a copy not started never starts; one running is
+        left to end on its own (its result is discarded, :meth:`_late`) and wedges the
+        worker until then."""
+        j.cancelled.set()
         if j.future is not None:
             j.future.cancel()
-        locked = j.lock.acquire(timeout=_LOCK_TIMEOUT_S)
-        j.cancelled.set()
-        if locked:
+        if j.lock.acquire(blocking=False):  # not running: it never will now
             j.lock.release()
+        elif j.future is None or not j.future.done():
+            _log.warning("rank %d: the %s of request %s is stuck past its deadline: reported "
+                         "failed; new transfers fail until it ends", self._rank,
+                         "load" if j.job.is_load else "store", j.job.request_id)
+            self._stuck.append(j)
 
     def _help(self, j: _Job) -> None:
         """Run a host-memory load that the background thread has not started yet here,
@@ -584,10 +635,14 @@ class OffloadWorker(WorkerConnector):
 
     def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
         """Wait, bounded by each transfer's deadline, for the transfers of preempted requests;
-        cancel those still running (WRK-012, WRK-014). They are reported as usual."""
+        cancel those still running (WRK-012, WRK-014). They are reported as usual. While a
+        stuck copy wedges the worker, nothing queued behind it can run: cancelled at once."""
         for rid in preempted_req_ids:
             for j in (self._loads.get(rid), self._stores.get(rid)):
                 if j is None or j.future is None:
+                    continue
+                if self._wedged() is not None:
+                    self._cancel(j)
                     continue
                 try:
                     j.future.result(timeout=max(0.0, j.deadline - time.monotonic()))
@@ -597,31 +652,37 @@ class OffloadWorker(WorkerConnector):
                     pass
 
     def shutdown(self) -> None:
-        """Cancel queued work, wait a bounded time for the running job and the thread, and
-        release the host pool and every reference to the KV caches; idempotent (WRK-015)."""
+        """Cancel queued work, wait a bounded time for a running copy (not at all for one
+        already past its deadline) and for the thread, and release the host pool and every
+        reference to the KV caches; idempotent (WRK-015). A thread stuck in a copy is
+        logged by name and left behind (a daemon: it does not keep the process alive)."""
         if self._closed:
             return
         self._closed = True
         self._closing.set()
-        executor, self._executor = self._executor, None
+        runner, self._executor = self._executor, None
         for j, _ in self._save_queue:  # queued for the hooks: never started
             if j.future is not None:
                 j.future.cancel()
         self._save_queue.clear()
         self._staged = []
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
-            # A future cancelled before it started never counts as done for wait().
-            futures = [
-                j.future for j in (*self._loads.values(), *self._stores.values())
-                if j.future is not None and not j.future.cancelled()
-            ]
-            concurrent.futures.wait(futures, timeout=min(self._settings.io_timeout_s, 10.0))
-            deadline = time.monotonic() + _LOCK_TIMEOUT_S
-            for thread in list(getattr(executor, "_threads", ())):
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if runner is not None:
+            now = time.monotonic()
+            jobs = (*self._loads.values(), *self._stores.values())
+            for j in jobs:
+                if j.future is not None:
+                    j.future.cancel()  # those not started; the running one goes on
+            running = [j for j in (*jobs, *self._stuck) if j.lock.locked()]
+            wait = min((max(0.0, j.deadline - now) for j in running), default=0.0)
+            if not runner.close(max(0.05, min(wait, _SHUTDOWN_WAIT_S)) if running
+                                else _SHUTDOWN_WAIT_S):
+                stuck = self._wedged() or (running[0] if running else None)
+                _log.error("rank %d: thread %s did not stop: it is stuck in the %s; left "
+                           "behind as a daemon thread", self._rank, runner.thread.name,
+                           "copy of request " + stuck.job.request_id if stuck else "a copy")
         self._loads.clear()
         self._stores.clear()
+        self._stuck = []
         if self._stage is not None:
             self._stage.release()
         self._stage = None
