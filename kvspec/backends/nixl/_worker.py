@@ -323,7 +323,7 @@ class NixlWorker(WorkerConnector):
             raise  # a misconfigured pair: fail loudly (HSK-003)
         except KVSpecError as e:  # the producer is unreachable (dead, or its agent gone)
             _log.warning("rank %d: cannot reach engine %s for %s: %s", self._rank,
-                         load.engine_id, load.request_id, e)
+                         load.engine_id, load.request_id, str(e))
             if load.local_blocks:
                 self._failed_early[load.request_id] = load.local_blocks
             return
@@ -347,7 +347,7 @@ class NixlWorker(WorkerConnector):
                 raise
             except KVSpecError as e:  # e.g. a block id outside the producer's budget
                 _log.warning("rank %d: READ of %s from %s not started: %s", self._rank,
-                             load.request_id, source.agent, e)
+                             load.request_id, source.agent, str(e))
                 entry.failed = True
         if entry.transfers:  # reported once every READ that started has finished
             self._reads[load.request_id] = entry

@@ -204,7 +204,7 @@ class OffloadWorker(WorkerConnector):
             self._copy(pool, plan, True, None)
         except (KVSpecError, RuntimeError, ValueError) as e:
             _log.warning("rank %d: store of request %s failed: %s", self._rank,
-                         job.request_id, e)
+                         job.request_id, str(e))
             self._fail_store(j)
             return
         self._stored(j, start, end)
@@ -385,7 +385,7 @@ class OffloadWorker(WorkerConnector):
             return self._store(pool, j, j.plan, event)
         except (KVSpecError, RuntimeError, ValueError) as e:
             _log.warning("rank %d: %s of request %s failed: %s", self._rank,
-                         "load" if job.is_load else "store", job.request_id, e)
+                         "load" if job.is_load else "store", job.request_id, str(e))
             if not job.is_load:
                 for slot in job.slots:
                     self._slot_tags[slot] = -1
@@ -593,7 +593,7 @@ class OffloadWorker(WorkerConnector):
         try:
             stage.drain()
         except (KVSpecError, RuntimeError, ValueError) as e:
-            _log.warning("rank %d: staged store failed: %s", self._rank, e)
+            _log.warning("rank %d: staged store failed: %s", self._rank, str(e))
             for j, _, _ in staged:
                 self._fail_store(j)
             return
