@@ -477,7 +477,7 @@ CLAUSES: tuple[Clause, ...] = (
            "Faults are routine at scale, and recomputation is always possible.",
            (V028_033,)),
     Clause("ERR-009", MUST, "Nothing leaks",
-           "After shutdown, and after any fault, a connector MUST hold no block, buffer, registration, thread or process that it acquired.",
+           "After shutdown, and after any fault, a connector MUST hold no block, buffer, registration, thread, file descriptor (file, socket, pipe, shared memory) or process that it acquired.",
            "Engines run for weeks; every leak eventually exhausts memory or registrations.",
            ()),
 )

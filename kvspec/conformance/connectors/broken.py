@@ -10,14 +10,21 @@ base connector's: each variant claims to conform and does not.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import pickle
 import struct
+from collections.abc import Mapping
 from typing import ClassVar
 
+import attrs
 import torch
+from typing_extensions import Self
 
 from kvspec.protocols import (
     ConnectorMetadata,
+    KVCacheLayout,
+    MalformedMetadataError,
     EngineConfigView,
     KVConnectorOutput,
     RequestView,
@@ -25,7 +32,9 @@ from kvspec.protocols import (
 )
 
 from .shared_storage import (
+    HANDOFF_PARAM,
     SharedStorageConnector,
+    SharedStorageMetadata,
     SharedStorageScheduler,
     SharedStorageWorker,
     block_path,
@@ -40,9 +49,13 @@ __all__ = [
     "DropsAbortedRecvConnector",
     "FullPromptHitConnector",
     "ImpureMatchConnector",
+    "LeakyDecoderConnector",
+    "LeakyJournalConnector",
     "NoSaltConnector",
     "NoSendReportConnector",
+    "PickledMetadataConnector",
     "ReadAfterFreeConnector",
+    "UncheckedParamsConnector",
     "UnknownReportConnector",
 ]
 
@@ -58,6 +71,8 @@ class BrokenConnector(SharedStorageConnector):
 
     violates: ClassVar[str] = ""
     """The ID of the one clause the variant breaks."""
+    selection: ClassVar[str] = "test_scenario and no-local-cache"
+    """The ``-k`` expression of the suite tests that catch it (tests/conformance)."""
 
     @property
     def name(self) -> str:
@@ -294,6 +309,116 @@ class DropsAbortedRecvConnector(BrokenConnector):
     worker_class = _DropsAbortedRecvWorker
 
 
+# ------------------------------------------------------------------------ hostile input
+
+
+@attrs.frozen
+class _PickledMetadata(SharedStorageMetadata):
+    """Shared-storage metadata that crosses processes as a pickle (ERR-006)."""
+
+    def encode(self) -> bytes:
+        return pickle.dumps(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        value = pickle.loads(data)  # the slip: a peer's bytes can run any code here
+        if not isinstance(value, cls):
+            raise MalformedMetadataError(f"not {cls.__name__}: {type(value).__name__}")
+        return value
+
+
+@attrs.frozen
+class _LeakyMetadata(SharedStorageMetadata):
+    """Checks the envelope with a bare ``json.loads`` before the strict decoder (ERR-005)."""
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        if json.loads(data)["version"] != 1:  # the slip: ValueError, KeyError, TypeError
+            raise MalformedMetadataError("unknown version")
+        base = SharedStorageMetadata.decode(data)
+        return cls(loads=base.loads, saves=base.saves, aborted_loads=base.aborted_loads)
+
+
+def _as(meta_type: type[SharedStorageMetadata], meta: ConnectorMetadata) -> ConnectorMetadata:
+    assert isinstance(meta, SharedStorageMetadata)
+    return meta_type(loads=meta.loads, saves=meta.saves, aborted_loads=meta.aborted_loads)
+
+
+class _PickledMetadataScheduler(SharedStorageScheduler):
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        return _as(_PickledMetadata, super().build_connector_meta(scheduler_output))
+
+
+class PickledMetadataConnector(BrokenConnector):
+    """Breaks ERR-006: its metadata encodes with ``pickle.dumps`` and decodes with
+    ``pickle.loads``, so whoever can hand a worker bytes can run code in it."""
+
+    violates = "ERR-006"
+    selection = "TestHostileInput"
+    scheduler_class = _PickledMetadataScheduler
+
+
+class _LeakyDecoderScheduler(SharedStorageScheduler):
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        return _as(_LeakyMetadata, super().build_connector_meta(scheduler_output))
+
+
+class LeakyDecoderConnector(BrokenConnector):
+    """Breaks ERR-005: its metadata decoder peeks at the version with a bare
+    ``json.loads(data)["version"]``, so truncated or garbage bytes raise ValueError,
+    KeyError or TypeError instead of MalformedMetadataError."""
+
+    violates = "ERR-005"
+    selection = "TestHostileInput"
+    scheduler_class = _LeakyDecoderScheduler
+
+
+class _UncheckedParamsScheduler(SharedStorageScheduler):
+    @staticmethod
+    def _announced_blocks(request: RequestView) -> int | None:
+        params = request.kv_transfer_params
+        if not params or HANDOFF_PARAM not in params:
+            return None
+        entry = params[HANDOFF_PARAM]
+        assert isinstance(entry, Mapping)  # the slip: trusts the client's params
+        return int(entry["blocks"])
+
+
+class UncheckedParamsConnector(BrokenConnector):
+    """Breaks ERR-002: it reads a hand-off's block count from the client's
+    ``kv_transfer_params`` without checking it, so ``{"kvspec.shared_storage": None}`` or a
+    missing ``"blocks"`` raise AssertionError, KeyError or TypeError out of the scheduler."""
+
+    violates = "ERR-002"
+    selection = "TestHostileInput"
+    scheduler_class = _UncheckedParamsScheduler
+
+
+# ------------------------------------------------------------------------------- leaks
+
+
+class _LeakyJournalWorker(SharedStorageWorker):
+    """Opens an append-only journal of its saves and never closes it (ERR-009)."""
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           layout: KVCacheLayout) -> None:
+        super().register_kv_caches(kv_caches, layout)
+        path = os.path.join(self._dir, f"journal-rank{self._rank}.log")
+        self._journal = open(path, "a")  # noqa: SIM115  (the slip: shutdown never closes it)
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        self._journal.write("saved\n")
+
+
+class LeakyJournalConnector(BrokenConnector):
+    """Breaks ERR-009: each worker opens a journal file when it registers its KV caches and
+    ``shutdown`` never closes it, so every engine restart leaks a file descriptor."""
+
+    violates = "ERR-009"
+    worker_class = _LeakyJournalWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
@@ -307,6 +432,10 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         NoSendReportConnector,
         ReadAfterFreeConnector,
         DropsAbortedRecvConnector,
+        PickledMetadataConnector,
+        LeakyDecoderConnector,
+        UncheckedParamsConnector,
+        LeakyJournalConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
@@ -27,6 +28,7 @@ from kvspec.protocols import (
     TransferTimeoutError,
 )
 
+from ._resources import Snapshot, snapshot
 from ._worker import WorkerRuntime, decode_meta, encode_meta
 from .config import HarnessConfig
 
@@ -113,6 +115,7 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
     conn_out = Connection(int(argv[1]), readable=False)
     try:
         init = json.loads(conn_in.recv_bytes())
+        before = snapshot()  # what this process holds before the connector exists
         sys.path[:] = init["path"]
         factory = _import(init["factory"])
         if isinstance(factory, type):
@@ -127,7 +130,7 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
             req = json.loads(conn_in.recv_bytes())
             if req["type"] == "shutdown":
                 rt.shutdown()
-                _send(conn_out, {"ok": True})
+                _send(conn_out, {"ok": True, "leaked": _leaked_since(before)})
                 return
             mt = meta_types.get(req["meta_type"]) or _import(req["meta_type"])
             meta_types[req["meta_type"]] = mt
@@ -140,6 +143,17 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
             _send(conn_out, {"error": traceback.format_exc()})
         except Exception:
             pass
+
+
+def _leaked_since(before: Snapshot, grace_s: float = 2.0) -> dict[str, list[str]]:
+    """What this process holds beyond ``before``, once ``grace_s`` passed without change
+    to nothing (threads may take a moment to end)."""
+    deadline = time.monotonic() + grace_s
+    leaked = snapshot().new_since(before)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.01)
+        leaked = snapshot().new_since(before)
+    return leaked
 
 
 class ProcessWorkers:
@@ -218,6 +232,7 @@ class ProcessWorkers:
             ContractViolation: a rank's connector failed to shut down (WRK-015).
         """
         errors: list[str] = []
+        leaks: list[tuple[int, dict[str, list[str]]]] = []
         alive = [p.poll() is None for p in self.procs]  # a rank already dead is not judged
         try:
             for _, out in self.conns:
@@ -229,7 +244,9 @@ class ProcessWorkers:
                 if not alive[rank]:
                     continue
                 try:
-                    self._recv(rank)
+                    reply = self._recv(rank)
+                    if reply.get("leaked"):
+                        leaks.append((rank, reply["leaked"]))
                 except WorkerDiedError:
                     pass  # killed from outside, or already crashed and reported at a step
                 except KVSpecError as e:
@@ -240,6 +257,21 @@ class ProcessWorkers:
             raise ContractViolation(
                 "WRK-015", observed="shutdown failed in worker processes: " + "; ".join(errors),
                 expected="shutdown completes within a bounded time without error",
+            )
+        for rank, leaked in leaks:
+            if "threads" in leaked:
+                raise ContractViolation(
+                    "WRK-015", observed=f"threads still alive after shutdown in the worker "
+                    f"process of rank {rank}: {leaked['threads']}",
+                    expected="shutdown releases every thread the connector started",
+                )
+        for rank, leaked in leaks:
+            what = "; ".join(f"{kind}: {', '.join(items[:8])}" for kind, items in leaked.items())
+            raise ContractViolation(
+                "ERR-009", observed=f"still open after shutdown in the worker process of rank "
+                f"{rank}: {what}",
+                expected="shutdown releases every file descriptor (file, socket, pipe, shared "
+                "memory) and child process the connector opened",
             )
 
     def _kill(self) -> None:

@@ -14,7 +14,6 @@ import itertools
 import math
 import shutil
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -48,6 +47,7 @@ from kvspec.protocols import (
 )
 
 from ._blockpool import BlockPool, block_hashes
+from ._resources import Snapshot, snapshot
 from ._toymodel import ToyModel, tenant_seed
 from ._workers import InProcessWorkers, ProcessWorkers, WorkerGroup
 from .config import HarnessConfig
@@ -116,8 +116,9 @@ class RunResult:
 class Engine:
     """One engine serving workloads through a connector.
 
-    Several engines may live in one process (two-engine mode); threads the connectors leave
-    behind are checked when the last of them shuts down (WRK-015, ERR-009).
+    Several engines may live in one process (two-engine mode); threads, file descriptors and
+    child processes the connectors leave behind are checked when the last of them shuts
+    down, against a snapshot taken before the first of them started (WRK-015, ERR-009).
 
     Args:
         factory: The connector under test.
@@ -129,7 +130,7 @@ class Engine:
     """
 
     _live: list[Engine] = []
-    _baseline: set[int | None] = set()
+    _baseline: Snapshot | None = None
 
     def __init__(
         self, factory: ConnectorFactory, config: HarnessConfig | None = None, *,
@@ -142,8 +143,8 @@ class Engine:
         self.tmpdir = tmpdir or tempfile.mkdtemp(prefix="kvspec-harness-")
         self.workload: Workload | None = None
         self._closed = False
-        # Thread leaks are judged against the state before the first live engine started.
-        baseline = None if Engine._live else {t.ident for t in threading.enumerate()}
+        # Leaks are judged against the state before the first live engine started.
+        baseline = None if Engine._live else snapshot()
         try:
             self._build(factory, factory_spec)
         except BaseException:
@@ -316,18 +317,23 @@ class Engine:
         if Engine._live:
             return
         deadline = time.monotonic() + 2.0
-        leaked = self._new_threads()
+        leaked = self._leaked()
         while leaked and time.monotonic() < deadline:
             time.sleep(0.01)
-            leaked = self._new_threads()
-        if leaked:
-            self._violate("WRK-015", f"threads still alive after shutdown: {leaked}",
+            leaked = self._leaked()
+        if "threads" in leaked:
+            self._violate("WRK-015", f"threads still alive after shutdown: {leaked['threads']}",
                           "shutdown releases every thread the connector started")
+        if leaked:
+            what = "; ".join(f"{kind}: {', '.join(items[:8])}" for kind, items in leaked.items())
+            self._violate("ERR-009", f"still open after shutdown: {what}",
+                          "shutdown releases every file descriptor (file, socket, pipe, shared "
+                          "memory) and child process the connector opened")
 
     @staticmethod
-    def _new_threads() -> list[str]:
-        return [t.name for t in threading.enumerate()
-                if t.ident not in Engine._baseline and t.is_alive()]
+    def _leaked() -> dict[str, list[str]]:
+        before = Engine._baseline
+        return {} if before is None else snapshot().new_since(before)
 
     def __enter__(self) -> Engine:
         return self
