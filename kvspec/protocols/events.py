@@ -94,9 +94,11 @@ class SupportsAggregate(Protocol):
       that depend on the deployment.
     * It MAY assume ``other`` comes from a rank of the same connector (same type);
       it MUST raise an error rather than silently drop data it cannot combine.
-    * The value MUST NOT require unpickling to cross a process boundary (ERR-006): a
-      connector whose values are not :class:`ConnectorStats` encodes them itself with
-      a safe codec.
+    * The value MUST NOT require unpickling to cross a process boundary (ERR-006,
+      EVT-009): a value that is not a :class:`ConnectorStats` provides the same codec as
+      connector metadata, ``encode() -> bytes`` and a classmethod ``decode(data)`` that
+      returns an equal value (the harness carries it from worker processes so, and
+      reports a value without it).
     """
 
     def aggregate(self, other: Self) -> Self:

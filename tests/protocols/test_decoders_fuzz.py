@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspec.backends.nixl import NixlLoad, NixlMetadata, PeerInfo
-from kvspec.backends.offload import OffloadMetadata
+from kvspec.backends.offload import FailedStores, OffloadMetadata
 from kvspec.conformance.connectors.layerwise import LayerwiseMetadata
 from kvspec.conformance.connectors.null import NullMetadata
 from kvspec.conformance.connectors.shared_storage import SharedStorageMetadata
@@ -23,6 +23,7 @@ from kvspec.protocols import HandshakeMetadata, KVSpecError, RequestView, freeze
 
 DECODERS: dict[str, tuple[Callable[[bytes], Any], bytes]] = {
     "offload": (OffloadMetadata.decode, OffloadMetadata().encode()),
+    "offload-failed-stores": (FailedStores.decode, FailedStores(frozenset({"a", "b"})).encode()),
     "nixl": (NixlMetadata.decode, NixlMetadata(
         loads=(NixlLoad("r", "e", (3, 0), (9, 1), "p", "0f" * 16),), sends={"q": "a1" * 16},
         peers={"e": {0: {"agent_name": "a"}}}).encode()),

@@ -427,6 +427,9 @@ def _id_set(ids: Iterable[str]) -> frozenset[str]:
     return out
 
 
+_MAX_FAILED_BYTES = 1 << 24
+
+
 @attrs.frozen
 class FailedStores:
     """Worker metadata of the offload backend: the stores of this step that failed on a
@@ -445,6 +448,27 @@ class FailedStores:
                 f"cannot aggregate FailedStores with {type(other).__name__}", clause="EVT-007"
             )
         return FailedStores(self.request_ids | other.request_ids)
+
+    def encode(self) -> bytes:
+        """A JSON list of the request ids, sorted, to cross a process boundary (EVT-009)."""
+        return json.dumps(sorted(self.request_ids), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> FailedStores:
+        """Decode :meth:`encode` output.
+
+        Raises:
+            MalformedMetadataError: anything else (ERR-005).
+        """
+        try:
+            value = json.loads(data) if len(data) <= _MAX_FAILED_BYTES else None
+            if not isinstance(value, list) or not value:
+                raise InvalidArgumentError(f"expected a non-empty list, got {value!r:.80}")
+            return cls(frozenset(value))
+        except (ValueError, RecursionError, TypeError, InvalidArgumentError) as e:
+            raise MalformedMetadataError(
+                f"FailedStores is malformed: {e}", clause="ERR-005"
+            ) from None
 
 
 @attrs.frozen

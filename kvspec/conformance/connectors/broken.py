@@ -23,12 +23,14 @@ from typing_extensions import Self
 
 from kvspec.protocols import (
     ConnectorMetadata,
-    KVCacheLayout,
-    MalformedMetadataError,
+    ConnectorStats,
     EngineConfigView,
+    KVCacheLayout,
     KVConnectorOutput,
+    MalformedMetadataError,
     RequestView,
     SchedulerOutputView,
+    SupportsAggregate,
 )
 
 from .shared_storage import (
@@ -42,6 +44,7 @@ from .shared_storage import (
 
 __all__ = [
     "AsyncZeroConnector",
+    "AveragingStatsConnector",
     "BROKEN_CONNECTORS",
     "BrokenConnector",
     "CorruptLoadConnector",
@@ -419,6 +422,37 @@ class LeakyJournalConnector(BrokenConnector):
     worker_class = _LeakyJournalWorker
 
 
+# ------------------------------------------------------------------------------- stats
+
+
+@attrs.frozen
+class _MeanStats:
+    """Blocks moved per step, reduced by averaging two ranks' values (EVT-006)."""
+
+    blocks_per_step: float
+
+    def aggregate(self, other: _MeanStats) -> _MeanStats:
+        return _MeanStats((self.blocks_per_step + other.blocks_per_step) / 2)  # the slip
+
+
+class _AveragingStatsWorker(SharedStorageWorker):
+    def get_kv_connector_stats(self) -> SupportsAggregate | None:
+        stats = super().get_kv_connector_stats()
+        if not isinstance(stats, ConnectorStats):
+            return stats
+        return _MeanStats(float(sum(stats.counters.values())))
+
+
+class AveragingStatsConnector(BrokenConnector):
+    """Breaks EVT-006: its stats report blocks moved per step and combine two ranks' values
+    by their mean, which depends on how the executor groups the ranks:
+    ``mean(mean(a, b), c) != mean(a, mean(b, c))``."""
+
+    violates = "EVT-006"
+    selection = "TestStats"
+    worker_class = _AveragingStatsWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
@@ -436,6 +470,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         LeakyDecoderConnector,
         UncheckedParamsConnector,
         LeakyJournalConnector,
+        AveragingStatsConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

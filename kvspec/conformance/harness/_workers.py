@@ -7,6 +7,7 @@ kills a worker that does not exit in time.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import os
@@ -18,9 +19,12 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+import attrs
+
 from kvspec.protocols import (
     ConnectorFactory,
     ConnectorMetadata,
+    ConnectorStats,
     ContractViolation,
     HandshakeMetadata,
     KVConnectorOutput,
@@ -135,7 +139,14 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
             mt = meta_types.get(req["meta_type"]) or _import(req["meta_type"])
             meta_types[req["meta_type"]] = mt
             out, violations = rt.step(req["msg"], decode_meta(mt, req["meta"]))
-            _send(conn_out, {"out": out.to_wire(omit_custom=True), "violations": violations})
+            custom = {}
+            for field in ("stats", "worker_metadata"):
+                value = getattr(out, field)
+                if value is not None and type(value) is not ConnectorStats:
+                    custom[field], bad = _encode_custom(value, field)
+                    violations += bad
+            _send(conn_out, {"out": out.to_wire(omit_custom=True), "custom": custom,
+                             "violations": violations})
     except EOFError:
         return
     except BaseException:
@@ -143,6 +154,46 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
             _send(conn_out, {"error": traceback.format_exc()})
         except Exception:
             pass
+
+
+def _encode_custom(value: Any, field: str) -> tuple[dict[str, str] | None, list[dict[str, str]]]:
+    """A custom stats or worker-metadata value as plain data, by its own ``encode()`` (its
+    class decodes it with ``decode``): ``({"type", "data"}, [])``, or ``(None, [violation])``
+    for a value without that codec, which cannot cross a process boundary (EVT-009)."""
+    cls = type(value)
+    encode, decode = getattr(value, "encode", None), getattr(cls, "decode", None)
+    if not callable(encode) or not callable(decode):
+        return None, [{
+            "clause": "EVT-009",
+            "observed": f"the worker's {field} is a {cls.__qualname__}, which has no "
+            "encode()/decode() codec, so it cannot cross from a worker process",
+            "expected": "ConnectorStats, or a value whose encode() returns bytes that its "
+            "class's decode() turns back into an equal value (like connector metadata)",
+        }]
+    data = encode()
+    if not isinstance(data, (bytes, bytearray)):
+        return None, [{
+            "clause": "EVT-009",
+            "observed": f"{cls.__qualname__}.encode() returned a {type(data).__name__}",
+            "expected": "bytes",
+        }]
+    return {"type": f"{cls.__module__}:{cls.__qualname__}",
+            "data": base64.b64encode(bytes(data)).decode()}, []
+
+
+def _decode_custom(entry: Mapping[str, str], types: dict[str, Any]) -> Any:
+    """Rebuild what :func:`_encode_custom` wrote (the type comes from the harness's own
+    worker process, running the factory the user named)."""
+    cls = types.get(entry["type"]) or _import(entry["type"])
+    types[entry["type"]] = cls
+    try:
+        return cls.decode(base64.b64decode(entry["data"]))
+    except Exception as e:
+        raise ContractViolation(
+            "EVT-009", observed=f"{cls.__qualname__}.decode() failed on what its encode() "
+            f"wrote in a worker process: {type(e).__name__}: {e}",
+            expected="decode(encode(value)) returns an equal value",
+        ) from e
 
 
 def _leaked_since(before: Snapshot, grace_s: float = 2.0) -> dict[str, list[str]]:
@@ -165,6 +216,7 @@ class ProcessWorkers:
         self.conns: list[tuple[Connection, Connection]] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self._handshakes: dict[int, HandshakeMetadata | None] = {}
+        self._custom_types: dict[str, Any] = {}
         try:
             for rank in range(config.tp_size):
                 to_child_r, to_child_w = os.pipe()
@@ -221,7 +273,10 @@ class ProcessWorkers:
         violations: list[dict[str, str]] = []
         for rank in range(len(self.conns)):
             reply = self._recv(rank)
-            outputs.append(KVConnectorOutput.from_wire(reply["out"]))
+            output = KVConnectorOutput.from_wire(reply["out"])
+            custom = {field: _decode_custom(entry, self._custom_types)
+                      for field, entry in reply.get("custom", {}).items() if entry}
+            outputs.append(attrs.evolve(output, **custom) if custom else output)
             violations += reply["violations"]
         return outputs, violations
 
