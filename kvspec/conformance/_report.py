@@ -80,18 +80,87 @@ class _Tracked:
 
 
 def _find_violation(exc: BaseException) -> ContractViolation | None:
+    """What a failed suite test broke, as a ContractViolation naming one clause, or None.
+
+    In order: a ContractViolation anywhere in ``exc`` (exception groups, such as
+    hypothesis's flaky failures, and explicit causes included); else a KVSpecError that
+    names a clause (that clause); else a crash, an exception that is not a kvspec error
+    escaping a connector's hook (ERR-010, naming the hook). Plain asserts and errors of
+    the suite's own code are not attributed.
+    """
     errors = sys.modules.get("kvspec.protocols.errors")
     if errors is None:
         return None
-    cls: type[ContractViolation] = errors.ContractViolation
-    stack: list[BaseException] = [exc]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, cls):
+    violation_cls: type[ContractViolation] = errors.ContractViolation
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, violation_cls):
             return e
+    for e in chain:
+        if isinstance(e, errors.KVSpecError) and e.clause:
+            return _as_violation(violation_cls, e.clause.upper(),
+                                 f"{type(e).__name__}: {e.message}")
+    if not isinstance(exc, Exception) or isinstance(exc, (AssertionError, errors.KVSpecError)):
+        return None
+    hook = _crashed_hook(exc)
+    if hook is None:
+        return None
+    text = str(exc).strip().splitlines()
+    return violation_cls(
+        "ERR-010", observed=f"{hook} raised {type(exc).__name__}"
+        + (f": {text[0][:300]}" if text else ""),
+        expected="the hook returns, or raises a KVSpecError saying what was wrong",
+    )
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, the members of exception groups and explicit causes, depth first."""
+    out: list[BaseException] = []
+    stack: list[BaseException] = [exc]
+    while stack and len(out) < 100:
+        e = stack.pop()
+        if any(e is seen for seen in out):
+            continue
+        out.append(e)
+        if e.__cause__ is not None:
+            stack.append(e.__cause__)
         inner = getattr(e, "exceptions", None)
         if isinstance(inner, tuple):
             stack.extend(x for x in reversed(inner) if isinstance(x, BaseException))
+    return out
+
+
+def _as_violation(cls: type[ContractViolation], clause: str, observed: str
+                  ) -> ContractViolation:
+    from ..spec import get_clause
+
+    try:
+        expected = get_clause(clause).rule
+    except (KeyError, TypeError):
+        expected = "what the clause requires"
+    return cls(clause, observed=observed, expected=expected)
+
+
+_DRIVERS = tuple(str(Path(__file__).parent / d) for d in ("harness", "suite", "graphs"))
+_KVSPEC_CORE = str(Path(__file__).parent.parent / "protocols")
+
+
+def _crashed_hook(exc: BaseException) -> str | None:
+    """The connector function the suite's driver called (directly, or through a
+    :mod:`kvspec.protocols` default method) when ``exc`` escaped, named as
+    ``Class.method``; None when it did not escape from connector code."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    drivers = [i for i, f in enumerate(frames) if f.f_code.co_filename.startswith(_DRIVERS)]
+    if not drivers:
+        return None
+    for frame in frames[drivers[-1] + 1:]:  # through kvspec's own protocol defaults
+        code = frame.f_code
+        if not code.co_filename.startswith(_KVSPEC_CORE):
+            return getattr(code, "co_qualname", code.co_name)
     return None
 
 
@@ -390,8 +459,9 @@ class Recorder:
         """Per clause touched: outcome counts, level and title, sorted by clause ID.
 
         A test that failed with a ContractViolation fails only the clause it names; its other
-        clauses were not fully checked and are not counted. A failure that names no clause
-        fails every clause the test is tagged with.
+        clauses were not fully checked and are not counted (a KVSpecError naming a clause
+        and a hook's crash, ERR-010, are turned into one, see ``_find_violation``). A
+        failure that names no clause fails every clause the test is tagged with.
         """
         from ..spec import get_clause
 

@@ -480,4 +480,8 @@ CLAUSES: tuple[Clause, ...] = (
            "After shutdown, and after any fault, a connector MUST hold no block, buffer, registration, thread, file descriptor (file, socket, pipe, shared memory) or process that it acquired.",
            "Engines run for weeks; every leak eventually exhausts memory or registrations.",
            ()),
+    Clause("ERR-010", MUST, "Hooks do not crash",
+           "A connector hook called as this contract allows MUST return, or raise a KVSpecError that says what was wrong; any other exception escaping a hook is a crash.",
+           "vLLM's engine core does not catch what a connector hook raises: one ValueError ends the engine and every request in it.",
+           (V028_033,)),
 )

@@ -67,3 +67,51 @@ def test_the_good_connectors_pass_the_same_selection(pytester: pytest.Pytester) 
         "-p", "no:cacheprovider", "-k", "test_scenario or TestGraphModes or TestHostileInput or TestStats",
     )
     assert result.ret == 0, result.stdout.str()[-3000:]
+
+
+ATTRIBUTION = '''
+from kvspec.conformance.connectors.shared_storage import (
+    SharedStorageConnector, SharedStorageScheduler, SharedStorageWorker)
+from kvspec.protocols import InvalidArgumentError
+
+
+class _TypedScheduler(SharedStorageScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        raise InvalidArgumentError("no matches today", clause="SCH-004")
+
+
+class TypedError(SharedStorageConnector):
+    scheduler_class = _TypedScheduler
+
+
+class _CrashingWorker(SharedStorageWorker):
+    def get_finished(self, finished_req_ids):
+        raise ZeroDivisionError("division by zero")
+
+
+class WorkerCrash(SharedStorageConnector):
+    worker_class = _CrashingWorker
+'''
+
+
+@pytest.mark.parametrize(("name", "clause", "says"), [
+    ("TypedError", "SCH-004", "InvalidArgumentError: no matches today"),
+    ("WorkerCrash", "ERR-010", "_CrashingWorker.get_finished raised ZeroDivisionError"),
+])
+def test_a_failure_is_counted_once_against_the_clause_it_names(
+    pytester: pytest.Pytester, name: str, clause: str, says: str
+) -> None:
+    """Issue 15: a KVSpecError naming a clause fails that clause, and a connector's crash
+    fails ERR-010 naming the hook; neither fails the 27 other clauses the test is tagged
+    with."""
+    pytester.makepyfile(attribution=ATTRIBUTION)
+    pytester.syspathinsert()
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        f"--kvspec-conformance=attribution:{name}", f"--kvspec-report={report}",
+        "-p", "no:cacheprovider", "-x", "-k", "test_scenario and no-local-cache",
+    )
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines([f"*clause {clause} (*{says}*"])
+    data = json.loads(report.read_text())
+    assert {cid for cid, row in data["clauses"].items() if row["fail"]} == {clause}

@@ -48,6 +48,7 @@ __all__ = [
     "BROKEN_CONNECTORS",
     "BrokenConnector",
     "CorruptLoadConnector",
+    "CrashingConnector",
     "DoubleReportConnector",
     "DropsAbortedRecvConnector",
     "FullPromptHitConnector",
@@ -453,6 +454,39 @@ class AveragingStatsConnector(BrokenConnector):
     worker_class = _AveragingStatsWorker
 
 
+# ------------------------------------------------------------------------------ crashes
+
+
+class _CrashingScheduler(SharedStorageScheduler):
+    """Counts the external tokens of each request, and reads them back at the finish."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._hits: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if count:
+            self._hits[request.request_id] = count
+        return count, is_async
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, object] | None]:
+        self._hits.pop(request.request_id)  # the slip: KeyError for requests without a hit
+        return super().request_finished(request, block_ids)
+
+
+class CrashingConnector(BrokenConnector):
+    """Breaks ERR-010: ``request_finished`` pops the request's hit count with
+    ``dict.pop(key)``, which raises KeyError for every request that had no hit."""
+
+    violates = "ERR-010"
+    scheduler_class = _CrashingScheduler
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
@@ -471,6 +505,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         UncheckedParamsConnector,
         LeakyJournalConnector,
         AveragingStatsConnector,
+        CrashingConnector,
     )
 )
 """Every broken variant with the clause it breaks."""
