@@ -108,6 +108,9 @@ class WorkerRuntime:
 
     def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> tuple[KVConnectorOutput, list[dict[str, str]]]:
         """Run one real step; return the connector output and the violations observed."""
+        if msg["preempted"]:  # first, as vLLM's execute_model does: before the preempted
+            # requests' blocks are reused (here: poisoned), the connector fences (WRK-012)
+            self.connector.handle_preemptions(frozenset(msg["preempted"]))
         for b in msg["poison_freed"]:
             self._poison(b, FREED_POISON)
         for b in msg["poison_alloc"]:
@@ -119,8 +122,6 @@ class WorkerRuntime:
             self._capture(size)  # lazy: mid-serving, transfers in flight (GRA-008)
         kind = ForwardKind.REPLAY if size is not None else ForwardKind.REAL
         reads = self._fill(reqs)
-        if msg["preempted"]:
-            self.connector.handle_preemptions(frozenset(msg["preempted"]))
         ctx = ForwardContextView(kind, msg["step"], size or tokens, self.layer_names)
         self.connector.bind_connector_metadata(meta)
         plan = self._plan(kind)
