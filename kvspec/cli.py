@@ -11,12 +11,13 @@ against a same-run memory-copy ceiling (see docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
 import json
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 from . import __version__
@@ -98,18 +99,34 @@ def _conform(args: argparse.Namespace) -> int:
         print("kvspec conform: an empty connector spec; expected 'pkg.module:Factory'",
               file=sys.stderr)
         return 2
-    for flag, path in (("--report", args.report), ("--write-xfail", args.write_xfail)):
+    as_json = args.json or args.report == "-"
+    report_path = None if args.report == "-" else args.report
+    for flag, path in (("--report", report_path), ("--write-xfail", args.write_xfail)):
         if path and _unwritable(flag, path):
             return 2
     specs = list(args.specs) or list(DEFAULT_CONNECTORS)
     extra = list(args.pytest_args)
     if args.write_xfail:
         extra.append(f"--kvspec-write-xfail={args.write_xfail}")
-    result = run_conformance(
-        specs, profile=args.profile, report_path=args.report, xfail_path=args.xfail,
-        extra_pytest_args=extra,
-    )
+    # With --json, stdout holds the JSON report alone: pytest's output goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        result = run_conformance(
+            specs, profile=args.profile, report_path=report_path, xfail_path=args.xfail,
+            extra_pytest_args=extra,
+        )
+    if as_json:
+        json.dump(dict(result.report), sys.stdout, indent=2, default=_plain_json)
+        sys.stdout.write("\n")
     return result.exit_code
+
+
+def _plain_json(value: object) -> object:
+    """The report's frozen mappings and tuples as JSON objects and arrays."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, (tuple, frozenset, set)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 _ORDER_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -293,7 +310,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="connector factory import path, pkg.module:Factory (repeatable)")
     c.add_argument("--profile", choices=["default", "full"], default="default",
                    help="'full' runs ten times the hypothesis examples")
-    c.add_argument("--report", metavar="PATH", help="write the JSON report to PATH")
+    c.add_argument("--report", metavar="PATH",
+                   help="write the JSON report to PATH ('-': to stdout, as --json)")
+    c.add_argument("--json", action="store_true",
+                   help="print the JSON report on stdout (pytest's output goes to stderr)")
     c.add_argument("--xfail", metavar="PATH", help="expected-failures file")
     c.add_argument("--write-xfail", metavar="PATH",
                    help="write the keys of the failing tests to PATH")
@@ -611,7 +631,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "conform":
             parser.error(f"arguments after -- are only for 'kvspec conform': {passthrough}")
         args.pytest_args = passthrough
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvspec spec --json | head`: the reader left, not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe ended
     return result
 
 

@@ -283,6 +283,13 @@ class Recorder:
                 assert isinstance(cls, type)
                 self._bind(item, cls, tracked, bad)
             self.tracked.setdefault(item.nodeid, tracked)
+            # JUnit XML (and any report plugin) sees them as test properties
+            item.user_properties.append(("kvspec_clauses", " ".join(clauses)))
+            if tracked.connector:
+                info = self.connectors.get(tracked.connector)
+                item.user_properties.append(("kvspec_connector", tracked.connector))
+                if info is not None:
+                    item.user_properties.append(("kvspec_connector_name", info.name))
         if bad:
             raise pytest.UsageError("kvspec conformance:\n  " + "\n  ".join(bad))
         self._apply_xfail_file(items)
@@ -410,6 +417,7 @@ class Recorder:
             return report
         clause = (exc.clause or "?").upper()
         tracked.broken = clause
+        item.user_properties.append(("kvspec_broken_clause", clause))  # JUnit: teardown
         if clause not in tracked.clauses:
             tracked.clauses.append(clause)
         info = self.connectors.get(tracked.connector or "")

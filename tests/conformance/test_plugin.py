@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from xml.etree import ElementTree
 
 import hypothesis
+
 import pytest
 
 # Imported before any in-process pytester run: pytester drops the modules a run imports
@@ -603,3 +606,46 @@ def test_cli_refuses_an_empty_spec_and_an_unwritable_output_at_once(kv: pytest.P
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert "Traceback" not in proc.stderr
         assert ("empty connector spec" in proc.stderr) or ("is a directory" in proc.stderr)
+
+
+@pytest.mark.parametrize("flag", [["--json"], ["--report", "-"]])
+def test_cli_conform_prints_the_report_as_json_on_stdout(kv: pytest.Pytester, flag: list[str]
+                                                          ) -> None:
+    """Issue 18, item 7: ``conform`` had no --json and ``--report -`` wrote a file named
+    ``-``. Both print the JSON report alone on stdout; pytest's output goes to stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvspec", "conform", "conn:Good", "conn:Bad", *flag, "--",
+         "-p", "kvrestrict", "-q"],
+        cwd=kv.path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["clauses"]["GRA-001"]["fail"] == 1
+    assert "broken by bad" in proc.stderr
+    assert not (kv.path / "-").exists()
+
+
+def test_a_closed_pipe_ends_the_cli_quietly() -> None:
+    """Issue 18, item 7: ``kvspec spec --json | head`` ended in a BrokenPipeError traceback."""
+    proc = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m kvspec spec --json | head -c 10", shell=True,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert len(proc.stdout) == 10
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
+
+
+def test_junit_xml_carries_the_clauses_and_the_connector(kv: pytest.Pytester) -> None:
+    """Issue 18, item 6: JUnit XML held no clause IDs. Each suite test case carries its
+    clauses, connector and, when it failed, the clause it broke, as properties."""
+    xml = kv.path / "junit.xml"
+    result = run(kv, "--kvspec-conformance=conn:Bad", f"--junitxml={xml}", "-q")
+    assert result.ret == 1
+    root = ElementTree.parse(xml).getroot()
+    props = {}
+    for case in root.iter("testcase"):
+        props[case.get("name")] = {p.get("name"): p.get("value") for p in case.iter("property")}
+    failed = [p for p in props.values() if p.get("kvspec_broken_clause")]
+    assert failed and all(p["kvspec_broken_clause"] == "GRA-001" for p in failed)
+    assert all(p["kvspec_connector"] == "conn:Bad" and p["kvspec_clauses"]
+               for p in props.values())
