@@ -48,6 +48,7 @@ from .capabilities import (
     FailureReporting,
     HookGraphMode,
 )
+from .faults import FAULTS_KEY, FaultPlan
 from .layout import (
     KVCacheLayout,
     KVPacking,
@@ -132,7 +133,9 @@ __all__ = [
     "EMPTY_OUTPUT",
     "EngineConfigView",
     "ExecutorConnector",
+    "FAULTS_KEY",
     "FailureReporting",
+    "FaultPlan",
     "ForwardContextView",
     "ForwardKind",
     "ForwardPlan",

@@ -75,6 +75,10 @@ class Capabilities:
         needs_token_rows: The connector addresses single tokens or channels inside a page
             (partial-block copies, per-token reads). It cannot run on engines whose pages
             are opaque (vLLM-CPU); layout negotiation refuses it there (LAY-014).
+        fault_injection: The connector honours ``EngineConfigView.extra["kvspec.faults"]``
+            (:class:`~kvspec.protocols.FaultPlan`): it can be told to fail its loads or
+            stores, or to keep every transfer in flight for a while, so the conformance
+            suite checks what it does when transfers fail or are slow.
     """
 
     async_loads: bool = False
@@ -88,11 +92,12 @@ class Capabilities:
     custom_aggregator: bool = False
     handles_preemptions: bool = False
     needs_token_rows: bool = False
+    fault_injection: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in (
             "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
-            "custom_aggregator", "handles_preemptions", "needs_token_rows",
+            "custom_aggregator", "handles_preemptions", "needs_token_rows", "fault_injection",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(

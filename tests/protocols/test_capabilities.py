@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvspec.protocols.capabilities import Capabilities, FailureReporting, HookGraphMode
 from kvspec.protocols.errors import CapabilityError, InvalidArgumentError
 from kvspec.protocols.layout import StrideOrder
+from kvspec.protocols.views import TransferRole
 
 BOOL_FIELDS = (
     "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
@@ -196,6 +197,7 @@ def test_describe_defaults() -> None:
         "custom_aggregator": False,
         "handles_preemptions": False,
         "needs_token_rows": False,
+        "fault_injection": False,
     }
 
 
@@ -239,3 +241,22 @@ def test_describe_is_json_and_round_trips(caps: Capabilities) -> None:
         }
     )
     assert rebuilt == caps
+
+
+def test_fault_plan_reads_and_checks_the_config() -> None:
+    from kvspec.protocols import FAULTS_KEY, EngineConfigView, FaultPlan
+
+    def config(value: object) -> EngineConfigView:
+        return EngineConfigView(engine_id="e", role=TransferRole.BOTH, num_layers=1,
+                                block_size=4, num_blocks=8, extra={FAULTS_KEY: value})
+
+    plain = EngineConfigView(engine_id="e", role=TransferRole.BOTH, num_layers=1,
+                             block_size=4, num_blocks=8)
+    assert FaultPlan.from_config(plain) == FaultPlan() and not FaultPlan().active
+    plan = FaultPlan.from_config(config({"fail_loads": True, "delay_s": 0.5}))
+    assert plan == FaultPlan(fail_loads=True, delay_s=0.5) and plan.active
+    assert FaultPlan.from_config(config(plan.to_plain())) == plan
+    for bad in ({"fail_loads": 1}, {"delay_s": -1}, {"delay_s": float("nan")},
+                {"unknown": True}, [1], "yes", {"delay_s": True}):
+        with pytest.raises(InvalidArgumentError):
+            FaultPlan.from_config(config(bad))

@@ -34,6 +34,7 @@ from kvspec.protocols import (
     ConnectorMetadata,
     ConnectorStats,
     EngineConfigView,
+    FaultPlan,
     ForwardContextView,
     InvalidArgumentError,
     KVCacheLayout,
@@ -120,6 +121,7 @@ class OffloadWorker(WorkerConnector):
         self._stats_lock = threading.Lock()
         self._counters: dict[str, int] = {}
         self._rng = random.Random(self._settings.fault_seed * 1_000_003 + rank)
+        self._faults = FaultPlan.from_config(config)  # the conformance suite's fault seam
 
     # -- registration -----------------------------------------------------------------------
 
@@ -372,8 +374,9 @@ class OffloadWorker(WorkerConnector):
         job = j.job
         if pool is None or self._closing.is_set() or j.cancelled.is_set():
             return job.block_ids
-        if job.is_load and self._settings.load_delay_s:
-            self._closing.wait(self._settings.load_delay_s)  # returns early at shutdown
+        delay = max(self._settings.load_delay_s if job.is_load else 0.0, self._faults.delay_s)
+        if delay:
+            self._closing.wait(delay)  # returns early at shutdown
         if not j.lock.acquire(timeout=_LOCK_TIMEOUT_S):  # every wait is bounded (WRK-014)
             return job.block_ids
         try:
@@ -431,6 +434,8 @@ class OffloadWorker(WorkerConnector):
         job = j.job
         for s in job.slots:
             tags[s] = -1  # invalid until the copy completes
+        if self._faults.fail_stores:
+            raise RuntimeError("store failed by the fault plan (kvspec.faults)")
         self._copy(pool, plan, True, event)
         if self._late(j):  # reported failed: its slots stay invalid
             self._count(store_failures=len(job))
@@ -445,7 +450,7 @@ class OffloadWorker(WorkerConnector):
               event: torch.cuda.Event | None) -> tuple[int, ...]:
         tags = self._slot_tags
         job = j.job
-        rate = self._settings.load_fault_rate
+        rate = 1.0 if self._faults.fail_loads else self._settings.load_fault_rate
         slots = job.slots
         if min(slots) >= 0 and not rate and list(map(tags.__getitem__, slots)) == list(job.tags):
             failed: list[int] = []  # the common case: every slot holds what the job expects
@@ -490,8 +495,8 @@ class OffloadWorker(WorkerConnector):
         microseconds is reported steps later; taking it over reports it in this step. A
         load already running is left to the thread."""
         future = j.future
-        if (self._stream is not None or self._settings.load_delay_s or future is None
-                or not future.cancel()):
+        if (self._stream is not None or self._settings.load_delay_s or self._faults.delay_s
+                or future is None or not future.cancel()):
             return
         done: concurrent.futures.Future[tuple[int, ...]] = concurrent.futures.Future()
         try:
@@ -603,6 +608,9 @@ class OffloadWorker(WorkerConnector):
     def _stored(self, j: _Job, start: int, end: int) -> None:
         """Blocks ``start:end`` of queued store ``j`` are in the pool: tag their slots, and
         complete ``j`` once all of its blocks are (main or background thread)."""
+        if self._faults.fail_stores:  # the fault plan: the store fails, its slots invalid
+            self._fail_store(j)
+            return
         job = j.job
         tags = self._slot_tags
         for s, t in zip(job.slots[start:end], job.tags[start:end]):

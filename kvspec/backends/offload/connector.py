@@ -57,6 +57,7 @@ class OffloadConnector(ConnectorFactory):
             accepts_split_kv=True,
             failure_reporting=FailureReporting.INVALID_BLOCKS,
             handles_preemptions=True,
+            fault_injection=True,
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

@@ -52,6 +52,7 @@ __all__ = [
     "DoubleReportConnector",
     "DropsAbortedRecvConnector",
     "FullPromptHitConnector",
+    "HidesFailedLoadsConnector",
     "ImpureMatchConnector",
     "LeakyDecoderConnector",
     "LeakyJournalConnector",
@@ -349,6 +350,8 @@ def _as(meta_type: type[SharedStorageMetadata], meta: ConnectorMetadata) -> Conn
 
 
 class _PickledMetadataScheduler(SharedStorageScheduler):
+    """Builds :class:`_PickledMetadata` (ERR-006)."""
+
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         return _as(_PickledMetadata, super().build_connector_meta(scheduler_output))
 
@@ -363,6 +366,8 @@ class PickledMetadataConnector(BrokenConnector):
 
 
 class _LeakyDecoderScheduler(SharedStorageScheduler):
+    """Builds :class:`_LeakyMetadata` (ERR-005)."""
+
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         return _as(_LeakyMetadata, super().build_connector_meta(scheduler_output))
 
@@ -378,6 +383,8 @@ class LeakyDecoderConnector(BrokenConnector):
 
 
 class _UncheckedParamsScheduler(SharedStorageScheduler):
+    """Trusts the client's ``kv_transfer_params`` (ERR-002)."""
+
     @staticmethod
     def _announced_blocks(request: RequestView) -> int | None:
         params = request.kv_transfer_params
@@ -437,6 +444,8 @@ class _MeanStats:
 
 
 class _AveragingStatsWorker(SharedStorageWorker):
+    """Reports its stats as :class:`_MeanStats` (EVT-006)."""
+
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
         stats = super().get_kv_connector_stats()
         if not isinstance(stats, ConnectorStats):
@@ -452,6 +461,31 @@ class AveragingStatsConnector(BrokenConnector):
     violates = "EVT-006"
     selection = "TestStats"
     worker_class = _AveragingStatsWorker
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+class _HidesFailedLoadsWorker(SharedStorageWorker):
+    """Reports every finished load as a success (WRK-011)."""
+
+    def get_failed_recving(self) -> frozenset[str]:
+        super().get_failed_recving()
+        return frozenset()  # the slip: the failure is logged, not reported
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        super().get_block_ids_with_load_errors()
+        return frozenset()
+
+
+class HidesFailedLoadsConnector(BrokenConnector):
+    """Breaks WRK-011: a load that failed is reported in ``finished_recving`` only, never in
+    ``failed_recving`` or with invalid blocks, so the engine computes on blocks that were
+    never written. Only a failed load shows it: the fault seam makes every load fail."""
+
+    violates = "WRK-011"
+    selection = "TestFaults"
+    worker_class = _HidesFailedLoadsWorker
 
 
 # ------------------------------------------------------------------------------ crashes
@@ -506,6 +540,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         LeakyJournalConnector,
         AveragingStatsConnector,
         CrashingConnector,
+        HidesFailedLoadsConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

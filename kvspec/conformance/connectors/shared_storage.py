@@ -67,6 +67,7 @@ from typing_extensions import Self
 from kvspec.protocols.metadata import decode_json_envelope
 from kvspec.protocols import (
     AllocatedBlocks,
+    FaultPlan,
     BlockRemoved,
     BlockStored,
     Capabilities,
@@ -957,6 +958,7 @@ class SharedStorageWorker(WorkerConnector):
                 clause="ERR-002",
             )
         self._rank = rank
+        self._faults = FaultPlan.from_config(config)  # the conformance suite's fault seam
         self._dir = self._settings.directory
         self._slot: MetadataSlot[SharedStorageMetadata] = MetadataSlot(SharedStorageMetadata)
         self._started = False
@@ -982,8 +984,9 @@ class SharedStorageWorker(WorkerConnector):
     """Write saves' files on the calling thread, in ``start_load_kv``; default: background."""
 
     def _load_delay_s(self) -> float:
-        """Seconds the background thread waits before each load (``load_delay_s``)."""
-        return self._settings.load_delay_s
+        """Seconds the background thread waits before each load (``load_delay_s``, or
+        the fault plan's ``delay_s`` if longer)."""
+        return max(self._settings.load_delay_s, self._faults.delay_s)
 
     def _after_load(self, data: torch.Tensor) -> torch.Tensor:
         """Hook on a block's bytes (flat uint8) read from storage, before they are copied
@@ -1159,7 +1162,7 @@ class SharedStorageWorker(WorkerConnector):
             self._closing.wait(delay)  # returns early at shutdown
         failed: list[int] = []
         for block, key in blocks:
-            if self._closing.is_set() or job.cancelled.is_set():
+            if self._closing.is_set() or job.cancelled.is_set() or self._faults.fail_loads:
                 failed.append(block)
                 continue
             try:
@@ -1189,9 +1192,11 @@ class SharedStorageWorker(WorkerConnector):
         self, job: _Job, keys: tuple[str, ...], snapshot: torch.Tensor
     ) -> tuple[int, ...]:
         """Background thread: write each snapshotted block; return the ids not written."""
+        if self._faults.delay_s and not self._sync_saves:
+            self._closing.wait(self._faults.delay_s)  # returns early at shutdown
         failed: list[int] = []
         for i, (block, key) in enumerate(zip(job.block_ids, keys)):
-            if self._closing.is_set() or job.cancelled.is_set():
+            if self._closing.is_set() or job.cancelled.is_set() or self._faults.fail_stores:
                 failed.append(block)
                 continue
             try:
@@ -1354,6 +1359,7 @@ class SharedStorageConnector(ConnectorFactory):
             accepted_layouts=(),
             accepts_split_kv=True,
             failure_reporting=FailureReporting.INVALID_BLOCKS,
+            fault_injection=True,
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

@@ -100,6 +100,8 @@ class RunResult:
         aborted: Requests that were aborted.
         transfer_params: kv_transfer_params returned by request_finished, per request.
         external_tokens: Tokens each request got from the connector (sync and async).
+        matched_tokens: Tokens the connector offered each request and the engine allocated
+            for (loads started, whether they then succeeded or failed).
         events: KV-cache events taken from the scheduler role.
         preemptions: Number of preemptions.
     """
@@ -111,6 +113,7 @@ class RunResult:
     external_tokens: Mapping[str, int]
     events: tuple[KVCacheEvent, ...]
     preemptions: int
+    matched_tokens: Mapping[str, int] = attrs.field(factory=dict)
 
 
 class Engine:
@@ -200,6 +203,7 @@ class Engine:
         self._seeds: set[int] = set()
         self._events: list[KVCacheEvent] = []
         self._external: dict[str, int] = {}
+        self._matched: dict[str, int] = {}
         self._preemptions = 0
         self._completed: set[tuple[str, Direction]] = set()
         handshakes = self.workers.handshakes()
@@ -284,6 +288,7 @@ class Engine:
             aborted=tuple(r.rid for r in done if r.status is _S.ABORTED),
             transfer_params={r.rid: r.params for r in done},
             external_tokens=dict(self._external),
+            matched_tokens=dict(self._matched),
             events=tuple(self._events),
             preemptions=self._preemptions,
         )
@@ -438,6 +443,7 @@ class Engine:
             self._update_after_alloc(r, ext)
             if ext:
                 self._external[r.rid] = self._external.get(r.rid, 0) + ext
+                self._matched[r.rid] = self._matched.get(r.rid, 0) + ext
                 self._sync_loads = True
             self.waiting.remove(r)
             self._transition(r, _S.RUNNING)
@@ -521,6 +527,7 @@ class Engine:
         self._preemptions += 1
 
     def _to_remote(self, r: _Req, local: int, ext: int) -> None:
+        self._matched[r.rid] = self._matched.get(r.rid, 0) + ext
         r.ext = (local, local + ext)
         r.num_computed = local
         self._update_after_alloc(r, ext)

@@ -1,0 +1,101 @@
+"""Conformance: failed and slow transfers, through the fault seam.
+
+For connectors that declare ``fault_injection``, the harness passes a
+:class:`~kvspec.protocols.FaultPlan` in ``extra["kvspec.faults"]``: every load fails, every
+store fails, or every transfer stays in flight for a while. One engine serves a pass that
+stores and a pass that would hit; the engine checks, as always, every KV byte the model
+reads, every report and every release. These tests add what only a failure shows: a load
+that was made to fail is never counted as loaded, and every request still finishes with
+correct KV, recomputed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from ...protocols import FAULTS_KEY, FaultPlan
+from ..harness import Engine, RequestSpec, RunResult, Workload
+from ..harness.scenarios import SCENARIOS
+from ._base import ConformanceSuite
+from ._run import config_for
+
+__all__ = ["TestFaults"]
+
+_PROMPTS = tuple(tuple(range(100 * i, 100 * i + 13 + 4 * i)) for i in range(4))
+
+
+def _passes(factory: Any, tmp: Path, plan: FaultPlan, **overrides: Any
+            ) -> tuple[RunResult, RunResult]:
+    """Serve a storing pass, then the same prompts again, on one engine with ``plan``."""
+    cfg = config_for(factory.capabilities, prefix_caching=False,
+                     extra={FAULTS_KEY: plan.to_plain()}, **overrides)
+    with Engine(factory, cfg, tmpdir=str(tmp)) as engine:
+        first = engine.run(Workload([RequestSpec(f"store-{i}", p, max_new_tokens=2)
+                                     for i, p in enumerate(_PROMPTS)], name="store pass"))
+        second = engine.run(Workload([RequestSpec(f"hit-{i}", p, max_new_tokens=2)
+                                      for i, p in enumerate(_PROMPTS)], name="hit pass"))
+    return first, second
+
+
+def _all_finished(result: RunResult, prefix: str) -> bool:
+    return {f"{prefix}-{i}" for i in range(len(_PROMPTS))} <= set(result.finished)
+
+
+class TestFaults(ConformanceSuite):
+    """Failed and slow transfers end as failed receives the engine recomputes."""
+
+    @pytest.mark.kvspec_clause("WRK-011", "ERR-008")
+    @pytest.mark.kvspec_requires("fault_injection")
+    def test_failed_loads_are_reported_and_recomputed(self, tmp_path: Path) -> None:
+        """With every load failing, the hit pass loads nothing: each load the connector
+        started is reported failed with its blocks invalid, and the engine recomputes."""
+        _, hit = _passes(self.factory, tmp_path, FaultPlan(fail_loads=True))
+        assert _all_finished(hit, "hit")
+        if not any(hit.matched_tokens.values()):
+            pytest.skip("the connector offered no tokens on the hit pass: nothing could fail")
+        loaded = {r: n for r, n in hit.external_tokens.items() if n}
+        self.check(
+            not loaded, "WRK-011",
+            observed=f"with every load made to fail, tokens counted as loaded: {loaded}",
+            expected="each failed load reported in finished_recving and failed_recving, its "
+            "blocks in invalid_block_ids, so the engine recomputes them",
+        )
+
+    @pytest.mark.kvspec_clause("WRK-011", "WRK-013", "ERR-008")
+    @pytest.mark.kvspec_requires("fault_injection")
+    def test_failed_stores_leave_every_request_correct(self, tmp_path: Path) -> None:
+        """With every store failing, nothing stored can be loaded: whatever the connector
+        offers on the hit pass fails or is never offered, and every request finishes with
+        correct KV."""
+        store, hit = _passes(self.factory, tmp_path, FaultPlan(fail_stores=True))
+        assert _all_finished(store, "store") and _all_finished(hit, "hit")
+        loaded = {r: n for r, n in hit.external_tokens.items() if n}
+        self.check(
+            not loaded, "WRK-011",
+            observed=f"with every store made to fail, tokens counted as loaded: {loaded}",
+            expected="a load of data that was never stored fails, reported with its blocks "
+            "invalid (or is never offered)",
+        )
+
+    @pytest.mark.kvspec_clause("WRK-012", "WRK-014", "SCH-016", "SCH-021", "SCH-023",
+                               "ERR-008")
+    @pytest.mark.kvspec_requires("fault_injection")
+    @pytest.mark.parametrize("scenario", ["aborts", "preemption", "full-prompt-hit"],
+                             ids=["slow-aborts", "slow-preemption", "slow-full-hit"])
+    def test_slow_transfers_through_aborts_and_preemption(
+        self, scenario: str, tmp_path: Path
+    ) -> None:
+        """Every transfer stays in flight for 0.15 s, across steps: aborts while loading,
+        preemptions and full hits still end with every request reported, released and
+        byte-exact."""
+        overrides: dict[str, Any] = {"num_blocks": 12} if scenario == "preemption" else {}
+        cfg = config_for(self.capabilities, prefix_caching=False,
+                         extra={FAULTS_KEY: FaultPlan(delay_s=0.15).to_plain()}, **overrides)
+        wl = SCENARIOS[scenario]
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
+            result = engine.run(attrs.evolve(wl, name=f"{wl.name} (slow transfers)"))
+        assert set(result.finished) | set(result.aborted) == {r.request_id for r in wl.requests}
