@@ -22,6 +22,7 @@ import torch
 from typing_extensions import Self
 
 from kvspec.protocols import (
+    AllocatedBlocks,
     ConnectorMetadata,
     ConnectorStats,
     EngineConfigView,
@@ -35,6 +36,7 @@ from kvspec.protocols import (
 
 from .shared_storage import (
     HANDOFF_PARAM,
+    LoadJob,
     SharedStorageConnector,
     SharedStorageMetadata,
     SharedStorageScheduler,
@@ -56,6 +58,7 @@ __all__ = [
     "ImpureMatchConnector",
     "LeakyDecoderConnector",
     "LeakyJournalConnector",
+    "LoadsOverLocalHitConnector",
     "NoSaltConnector",
     "NoSendReportConnector",
     "PickledMetadataConnector",
@@ -314,6 +317,32 @@ class DropsAbortedRecvConnector(BrokenConnector):
     worker_class = _DropsAbortedRecvWorker
 
 
+class _LoadsOverLocalHitScheduler(SharedStorageScheduler):
+    """Places a load's blocks from the request's first allocated block (SCH-010)."""
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        rid = request.request_id
+        if self._pending_loads and self._pending_loads[-1].request_id == rid:
+            job = self._pending_loads[-1]
+            ids = blocks.block_ids(0)  # the slip: forgets that the local hit comes first
+            moved = LoadJob(rid, tuple((ids[i], key) for i, (_, key) in enumerate(job.blocks)))
+            self._pending_loads[-1] = self._loading[rid] = moved
+
+
+class LoadsOverLocalHitConnector(BrokenConnector):
+    """Breaks SCH-010: it writes a load into the request's blocks from the first one on,
+    forgetting the engine's own prefix hit, so the loaded KV lands on the blocks the engine
+    already holds and the blocks after them are never written. Only a partial local hit
+    followed by an external hit shows it."""
+
+    violates = "SCH-010"
+    selection = "test_scenario and partial-local-hit"
+    scheduler_class = _LoadsOverLocalHitScheduler
+
+
 # ------------------------------------------------------------------------ hostile input
 
 
@@ -541,6 +570,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         AveragingStatsConnector,
         CrashingConnector,
         HidesFailedLoadsConnector,
+        LoadsOverLocalHitConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

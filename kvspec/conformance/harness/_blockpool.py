@@ -113,6 +113,17 @@ class BlockPool:
                 self._evictable.pop(block, None)
                 self._free.append(block)
 
+    def evict_beyond(self, hashes: list[bytes], keep: int) -> list[int]:
+        """Evict the unreferenced cached blocks of ``hashes[keep:]``, as memory pressure
+        would; return them (now free and uncached)."""
+        out: list[int] = []
+        for h in hashes[keep:]:
+            b = self._cached.get(h)
+            if b is not None and self._ref[b] == 0:
+                self.uncache(b)
+                out.append(b)
+        return out
+
     def check_all_free(self) -> list[int]:
         """Blocks still referenced (a leak when the engine is idle)."""
         return [b for b, r in enumerate(self._ref) if r > 0]

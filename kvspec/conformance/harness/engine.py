@@ -232,6 +232,8 @@ class Engine:
         r = _Req(spec, tokens, seed, block_hashes(tokens, self.config.block_size,
                                                   spec.cache_salt, spec.lora_id))
         self.requests[spec.request_id] = r
+        if spec.local_cache_blocks is not None:  # memory pressure evicted the rest
+            self._poison_freed += self.pool.evict_beyond(r.hashes, spec.local_cache_blocks)
         self.waiting.append(r)
         self.scheduler.on_new_request(self._view(r))
 

@@ -38,6 +38,17 @@ SCENARIOS: Mapping[str, Workload] = MappingProxyType({
         RequestSpec("b", _P[:9] + (50, 51, 52), max_new_tokens=2),
         RequestSpec("c", _P[:13] + (60,), max_new_tokens=3, arrival_step=10),
     ),
+    # The engine's prefix cache kept only the first block of a prompt the connector stored
+    # whole: a partial local hit the connector extends. Its loads must land after the local
+    # blocks, never on them (SCH-007, SCH-010); the blocks it skips stay poisoned.
+    "partial-local-hit": _w(
+        "partial-local-hit",
+        RequestSpec("first", _P[:16], max_new_tokens=2),
+        RequestSpec("longer", _P[:16] + (30, 31, 32, 33, 34), max_new_tokens=2,
+                    arrival_step=8, local_cache_blocks=1),
+        RequestSpec("again", _P[:16] + (30, 31, 32, 33, 35), max_new_tokens=2,
+                    arrival_step=16, local_cache_blocks=2),
+    ),
     # The same tokens under other tenants and adapters never share KV (SCH-020).
     "tenants": _w(
         "tenants",

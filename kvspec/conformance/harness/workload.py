@@ -37,6 +37,9 @@ class RequestSpec:
         abort_while_loading: Abort the request as soon as it waits for remote KV: right
             after its blocks are allocated, before that step's metadata is built (SCH-021).
         kv_transfer_params: Plain-data parameters from another engine (two-engine mode).
+        local_cache_blocks: When the request arrives, the engine's prefix cache keeps at
+            most this many of its prompt's full blocks and evicts the rest, as memory
+            pressure would: a partial local hit the connector may extend (SCH-007).
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class RequestSpec:
     abort_at_step: int | None = None
     abort_while_loading: bool = False
     kv_transfer_params: Mapping[str, Any] | None = attrs.field(default=None, converter=freeze_params)
+    local_cache_blocks: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -55,6 +59,14 @@ class RequestSpec:
         if self.max_new_tokens < 1 or self.arrival_step < 0:
             raise InvalidArgumentError(
                 f"request {self.request_id}: max_new_tokens must be >= 1 and arrival_step >= 0"
+            )
+        if self.local_cache_blocks is not None and (
+            isinstance(self.local_cache_blocks, bool)
+            or not isinstance(self.local_cache_blocks, int) or self.local_cache_blocks < 0
+        ):
+            raise InvalidArgumentError(
+                f"request {self.request_id}: local_cache_blocks must be None or an int >= 0, "
+                f"got {self.local_cache_blocks!r}"
             )
         if self.abort_at_step is not None and self.abort_at_step < self.arrival_step:
             raise InvalidArgumentError(
