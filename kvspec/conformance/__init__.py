@@ -8,9 +8,10 @@ There are three ways in, and they run the same tests:
               [--kvspec-profile=full] [--kvspec-report=report.json]
               [--kvspec-xfail=xfail.txt] [--kvspec-write-xfail=xfail.txt]
 
-   collects the suite modules of the installed package in addition to the given paths and
-   runs every suite test once per connector. Options are described in
-   :mod:`kvspec.conformance.plugin`.
+   collects the suite modules of the installed package (in addition to ``testpaths`` when no
+   path is given; paths and node ids given restrict collection as usual) and runs every
+   suite test once per connector. It works under pytest-xdist (``-n``). Options are
+   described in :mod:`kvspec.conformance.plugin`.
 
 2. **Subclassing**, inside a project's own test suite::
 

@@ -2,6 +2,11 @@
 
 One :class:`Recorder` per pytest config, registered by the plugin. It stays inert (and
 imports nothing heavy) in sessions that hold no suite test and no ``kvspec_clause`` marker.
+
+Under pytest-xdist the workers collect and run the tests and the controller writes the
+outputs: each test report of a tracked test carries what the controller needs (the
+collection-time data and the violation) as the plain-data attribute :data:`REPORT_ATTR`,
+which xdist serializes with the report.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import json
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +27,17 @@ from ._xfail import KVSpecXfailWarning, read_xfail_file, write_xfail_file
 if TYPE_CHECKING:
     from ..protocols.capabilities import Capabilities
     from ..protocols.errors import ContractViolation
+    from ._selection import SuitePlan
 
-__all__ = ["OUTCOMES", "ConnectorInfo", "Recorder", "format_violation", "kvspec_version"]
+__all__ = [
+    "OUTCOMES", "REPORT_ATTR", "ConnectorInfo", "Recorder", "format_violation", "kvspec_version",
+]
 
 OUTCOMES = ("pass", "fail", "skip", "xfail")
 """The outcomes counted per clause, in column order."""
+
+REPORT_ATTR = "kvspec"
+"""The attribute of a tracked test's reports that carries its kvspec data (plain data)."""
 
 
 def kvspec_version() -> str:
@@ -42,15 +53,33 @@ def _spec_version() -> str:
 
 @dataclass
 class ConnectorInfo:
-    """A connector of the run: its spec, name and declaration."""
+    """A connector of the run: its spec, name and declaration.
+
+    ``capabilities`` is None where the connector was not loaded (the xdist controller):
+    there ``declared``, its declaration as plain data, comes from the workers' reports.
+    """
 
     spec: str
     name: str
-    capabilities: Capabilities
+    capabilities: Capabilities | None
+    declared: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.capabilities is not None and not self.declared:
+            self.declared = self.capabilities.describe()
 
     def describe(self) -> dict[str, object]:
         """The declaration as plain data."""
-        return self.capabilities.describe()
+        return dict(self.declared)
+
+    def plain(self) -> dict[str, object]:
+        """Spec, name and declaration as plain data (:meth:`from_plain` reads it back)."""
+        return {"spec": self.spec, "name": self.name, "capabilities": self.describe()}
+
+    @classmethod
+    def from_plain(cls, data: dict[str, Any]) -> ConnectorInfo:
+        """The connector described by :meth:`plain`'s data."""
+        return cls(str(data["spec"]), str(data["name"]), None, dict(data["capabilities"]))
 
     def header(self) -> str:
         """One line naming the connector and its capabilities."""
@@ -77,6 +106,20 @@ class _Tracked:
     broken: str | None = None  # the clause a ContractViolation named
     strict_xpass: bool = False
     listed: bool = False
+
+    def plain(self) -> dict[str, Any]:
+        """What a report carries to the xdist controller (set by the worker)."""
+        return {"key": self.key, "connector": self.connector, "clauses": list(self.clauses),
+                "violation": self.violation, "broken": self.broken, "listed": self.listed}
+
+    def absorb(self, data: dict[str, Any]) -> None:
+        """Take the worker's data from :meth:`plain` (the same values in a single process)."""
+        self.key = data.get("key")
+        self.connector = data.get("connector")
+        self.clauses = list(data.get("clauses") or [])
+        self.violation = data.get("violation")
+        self.broken = data.get("broken")
+        self.listed = bool(data.get("listed"))
 
 
 def _find_violation(exc: BaseException) -> ContractViolation | None:
@@ -200,8 +243,8 @@ def _crash_message(report: pytest.TestReport) -> str:
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+    longrepr: object = report.longrepr
+    if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3:  # a list once serialized
         msg = str(longrepr[2])
     else:
         msg = str(longrepr)
@@ -223,6 +266,9 @@ class Recorder:
         self.tracked: dict[str, _Tracked] = {}
         self.notes: list[str] = []
         self.report: dict[str, Any] | None = None
+        self.plan: SuitePlan | None = None  # set by the plugin when connectors are given
+        # An xdist worker: it runs tests, and its controller writes the outputs.
+        self.worker = hasattr(config, "workerinput")
 
     # -- connectors ---------------------------------------------------------------------------
 
@@ -267,6 +313,8 @@ class Recorder:
     ) -> None:
         """Validate markers, bind connectors, apply capability skips and expected failures."""
         self._collect_suite_if_missing(session, items)
+        if self.plan is not None:
+            self.plan.select(items)
         base = sys.modules.get(BASE_MODULE)
         suite_base: type | None = getattr(base, "ConformanceSuite", None)
         bad: list[str] = []
@@ -298,7 +346,7 @@ class Recorder:
         # The plugin adds the suite directory to the paths to collect. pytest drops it when a
         # given path contains it, and then skips it when it lies in an ignored directory
         # (kvspec installed in the project's own .venv): collect its modules directly.
-        if not self.specs:
+        if not self.specs or self.plan is None or not self.plan.collect:
             return
         root = suite_dir()
         if session.isinitpath(root):
@@ -360,6 +408,8 @@ class Recorder:
             bad.append(f"{item.nodeid}: {e.message}")
             return
         known = capability_names()
+        capabilities = info.capabilities
+        assert capabilities is not None  # loaded just above
         for mark in item.iter_markers("kvspec_requires"):
             for name in mark.args:
                 if name not in known:
@@ -367,7 +417,7 @@ class Recorder:
                         f"{item.nodeid}: kvspec_requires({name!r}): unknown capability; "
                         f"known: {', '.join(known)}"
                     )
-                elif not has_capability(info.capabilities, name):
+                elif not has_capability(capabilities, name):
                     item.add_marker(pytest.mark.skip(
                         reason=f"connector does not declare capability '{name}'"
                     ))
@@ -407,14 +457,28 @@ class Recorder:
     def pytest_runtest_makereport(
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Any:
-        """Rewrite the failure of a ContractViolation to name the clause and the connector."""
-        report = yield
+        """Rewrite the failure of a ContractViolation to name the clause and the connector.
+
+        Every report of a tracked test carries the test's kvspec data as :data:`REPORT_ATTR`.
+        """
+        report: pytest.TestReport = yield
         tracked = self.tracked.get(item.nodeid)
-        if tracked is None or call.excinfo is None:
+        if tracked is None:
             return report
-        exc = _find_violation(call.excinfo.value)
+        if call.excinfo is not None:
+            self._attribute(item, tracked, report, call.excinfo.value)
+        data = tracked.plain()
+        info = self.connectors.get(tracked.connector or "")
+        if info is not None:
+            data["connector_info"] = info.plain()
+        setattr(report, REPORT_ATTR, data)
+        return report
+
+    def _attribute(self, item: pytest.Item, tracked: _Tracked, report: pytest.TestReport,
+                   error: BaseException) -> None:
+        exc = _find_violation(error)
         if exc is None:
-            return report
+            return
         clause = (exc.clause or "?").upper()
         tracked.broken = clause
         item.user_properties.append(("kvspec_broken_clause", clause))  # JUnit: teardown
@@ -424,17 +488,30 @@ class Recorder:
         name = info.name if info is not None else (tracked.connector or "the code under test")
         text = format_violation(exc, name)
         tracked.violation = text
-        longrepr = report.longrepr
+        longrepr: Any = report.longrepr
         crash = getattr(longrepr, "reprcrash", None)
         if crash is not None:
             crash.message = text
         if hasattr(longrepr, "addsection"):
             longrepr.addsection("kvspec contract violation", text)
-        return report
+
+    def _tracked_for(self, report: pytest.TestReport) -> _Tracked | None:
+        """The tracked test of a report; on the xdist controller, made from the report."""
+        data = getattr(report, REPORT_ATTR, None)
+        t = self.tracked.get(report.nodeid)
+        if not isinstance(data, dict):
+            return t
+        if t is None:
+            t = self.tracked[report.nodeid] = _Tracked(report.nodeid, None, None, [])
+        t.absorb(data)
+        info = data.get("connector_info")
+        if isinstance(info, dict) and info.get("spec") not in self.connectors:
+            self.connectors[str(info["spec"])] = ConnectorInfo.from_plain(info)
+        return t
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each phase's report into the test's outcome."""
-        t = self.tracked.get(report.nodeid)
+        t = self._tracked_for(report)
         if t is None:
             return
         t.duration += report.duration
@@ -514,7 +591,9 @@ class Recorder:
         }
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        """Write the JSON report and the expected-failures file, if asked."""
+        """Write the JSON report and the expected-failures file, if asked (not on a worker)."""
+        if self.worker:
+            return
         report_path = self.config.getoption("kvspec_report", None)
         write_path = self.config.getoption("kvspec_write_xfail", None)
         if not (self.done() or self.specs or report_path or write_path):
@@ -547,7 +626,7 @@ class Recorder:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Print the connectors and the per-clause table."""
         done = self.done()
-        if not done and not self.notes:
+        if self.worker or (not done and not self.notes):
             return
         tr = terminalreporter
         tr.write_sep("=", "kvspec conformance")

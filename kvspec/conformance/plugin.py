@@ -3,10 +3,13 @@
 Options:
 
 ``--kvspec-conformance=SPEC`` (repeatable; ini: ``kvspec_conformance``, one spec a line)
-    Run the suite against the connector ``SPEC`` (``pkg.module:Factory``): the modules of
-    the installed ``kvspec/conformance/suite/`` are collected in addition to the given
-    paths, and every suite test runs once per connector, with the spec as its id. Without
-    it the suite is never collected.
+    Run the suite against the connector ``SPEC`` (``pkg.module:Factory``): when pytest is
+    given no path, the modules of the installed ``kvspec/conformance/suite/`` are collected
+    in addition to ``testpaths`` (or the current directory); paths and node ids given on the
+    command line restrict collection as usual, and the node ids pytest prints for suite tests
+    (``test_engine.py::TestEngine::...``) are accepted back (:mod:`._selection`). Every suite
+    test runs once per connector, with the spec as its id. Without it the suite is never
+    collected.
 ``--kvspec-profile=default|full``
     ``full`` loads the hypothesis settings profile ``kvspec-full`` (ten times the examples)
     and is what the ``kvspec_profile`` fixture returns.
@@ -34,7 +37,7 @@ from __future__ import annotations
 import fnmatch
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -132,7 +135,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("kvspec_profile", "default") == "full":
         _load_full_profile(config)
     if specs:
-        _add_suite_paths(config)
+        from ._selection import plan_suite
+
+        recorder.plan = plan_suite(config)
         recorder.load_connectors()
 
 
@@ -163,20 +168,24 @@ def _load_full_profile(config: pytest.Config) -> None:
     settings.load_profile(FULL_PROFILE)
 
 
-def _add_suite_paths(config: pytest.Config) -> None:
-    # The suite directory is added as an explicit path, so it is collected wherever kvspec is
-    # installed (explicit paths and their parents escape norecursedirs and the virtualenv
-    # rule), and its modules get node ids relative to it: test_<topic>.py::Test<Topic>::...
-    from ._suites import suite_dir
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Skip the suite modules that none of the suite node ids given on the command line names."""
+    recorder = config.stash.get(_RECORDER, None)
+    plan = recorder.plan if recorder is not None else None
+    if plan is not None and plan.ignores(Path(collection_path)):
+        return True
+    return None
 
-    target = suite_dir()
-    invocation = Path(config.invocation_params.dir)
-    for arg in config.args:
-        path = Path(arg.split("::", 1)[0])
-        path = (path if path.is_absolute() else invocation / path).resolve()
-        if path == target or path in target.parents or target in path.parents:
-            return  # the suite, a directory holding it, or suite modules chosen by hand
-    config.args.append(str(target))
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    """Collect, of a suite module, only the tests the suite node ids given name (if any)."""
+    report: pytest.CollectReport = yield
+    recorder = collector.config.stash.get(_RECORDER, None)
+    plan = recorder.plan if recorder is not None else None
+    if plan is not None and plan.names and report.result:
+        report.result = [node for node in report.result if plan.keeps(node)]
+    return report
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:

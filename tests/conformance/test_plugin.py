@@ -17,6 +17,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import hypothesis
@@ -649,3 +650,106 @@ def test_junit_xml_carries_the_clauses_and_the_connector(kv: pytest.Pytester) ->
     assert failed and all(p["kvspec_broken_clause"] == "GRA-001" for p in failed)
     assert all(p["kvspec_connector"] == "conn:Bad" and p["kvspec_clauses"]
                for p in props.values())
+
+
+# -- xdist, node ids passed back, explicit paths ------------------------------------------------
+
+
+def table_rows(result: pytest.RunResult) -> list[str]:
+    """The clause table's rows and its total row, as printed."""
+    return [line for line in result.outlines
+            if re.match(r"^([A-Z]{3}-\d{3}|total) ", line)]
+
+
+def comparable(report: Path) -> dict[str, Any]:
+    """A JSON report with its tests sorted by node id and without durations."""
+    data = json.loads(report.read_text())
+    for test in data["tests"]:
+        test.pop("duration")
+    data["tests"].sort(key=lambda t: t["nodeid"])
+    return data
+
+
+def test_xdist_run_reports_what_a_serial_run_reports(kv: pytest.Pytester) -> None:
+    """The connector author's day, item 1: under ``-n 2`` the clause table was empty, the JSON
+    report held no test and --kvspec-write-xfail wrote no line: the workers ran the tests and
+    the controller, which collects nothing, tracked none. Each report carries its test's
+    kvspec data to the controller now, which writes every output as a serial run does."""
+    pytest.importorskip("xdist")
+    outputs = {}
+    for mode in ("serial", "xdist"):
+        report, xfail = kv.path / f"{mode}.json", kv.path / f"{mode}.txt"
+        args = ["--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad",
+                f"--kvspec-report={report}", f"--kvspec-write-xfail={xfail}"]
+        result = run(kv, *args) if mode == "serial" else kv.runpytest_subprocess(
+            "-p", "kvrestrict", "-p", "no:cacheprovider", "-n", "2", *args)
+        result.assert_outcomes(passed=8, failed=1, skipped=5)
+        assert f"kvspec: wrote 1 expected failures to {xfail}" in result.stdout.str()
+        outputs[mode] = (table_rows(result), comparable(report),
+                         xfail.read_text().splitlines()[2:])
+    serial, xdist = outputs["serial"], outputs["xdist"]
+    assert serial[0] and serial[0][-1].split()[2:6] == ["8", "1", "5", "0"]
+    assert xdist[0] == serial[0]
+    assert xdist[1] == serial[1] and len(serial[1]["tests"]) == 14
+    assert xdist[2] == serial[2] == [f"{HOOKS_KEY}[conn:Bad]"]
+
+
+def test_failed_node_ids_can_be_passed_back_and_lf_reruns_them(kv: pytest.Pytester) -> None:
+    """The connector author's day, item 2: the node id pytest prints for a failed suite test
+    (relative to the suite directory, which lies outside the rootdir) was 'file or directory
+    not found' when passed back. It selects the test now, with the flag or the ini key, from
+    the rootdir or below it, and ``--lf`` reruns the suite's failures with the project's."""
+    kv.makepyfile(test_mine="def test_mine():\n    assert False\n")
+    flags = ["-p", "kvrestrict", "-rf"]  # with the cache plugin, for --lf
+    first = kv.runpytest(*flags, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad")
+    first.assert_outcomes(passed=8, failed=2, skipped=5)
+    failed = re.findall(r"^FAILED (test_declaration\.py::\S+)", first.stdout.str(), re.M)
+    assert failed == [f"{HOOKS_KEY}[conn:Bad]"]
+
+    kv.makeini("[pytest]\nkvspec_conformance =\n    conn:Good\n    conn:Bad\n")
+    again = kv.runpytest_subprocess(*flags, failed[0])
+    again.assert_outcomes(failed=1)
+    assert re.findall(r"^FAILED (\S+)", again.stdout.str(), re.M) == failed
+    assert "GRA-001" in "\n".join(table_rows(again))
+
+    rerun = kv.runpytest(*flags, "--lf")
+    rerun.assert_outcomes(failed=2)
+    assert sorted(re.findall(r"^FAILED (\S+)", rerun.stdout.str(), re.M)) == sorted(
+        [*failed, "test_mine.py::test_mine"])
+
+    # From a directory below the rootdir pytest prints the id relative to it: "../test_..".
+    (kv.path / "sub").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(kv.path / "sub")
+        below = run(kv, "--co", "-q", f"../{HOOKS_KEY}")
+    assert below.ret == 0, below.stdout.str()
+    assert f"{HOOKS_KEY}[conn:Good]" in below.stdout.str()
+    assert "2 tests collected" in below.stdout.str()
+
+    missing = run(kv, "--co", "test_declaration.py::TestDeclaration::test_gone")
+    assert missing.ret == pytest.ExitCode.USAGE_ERROR
+    missing.stderr.fnmatch_lines(["*not found in the conformance suite: "
+                                  "test_declaration.py::TestDeclaration::test_gone*"])
+
+
+def test_explicit_paths_restrict_collection_under_the_ini_key(kv: pytest.Pytester) -> None:
+    """The connector author's day, item 3: with the ini key set, ``pytest test_x.py::test_x``
+    collected the whole suite as well. Paths and node ids given restrict collection now; the
+    suite is added only when none is given, or as far as they name it."""
+    kv.makeini("[pytest]\nkvspec_conformance = conn:Good\n")
+    kv.makepyfile(test_mine="def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
+    result = kv.runpytest_subprocess("-p", "kvrestrict", "-p", "no:cacheprovider", "--co", "-q",
+                                     "test_mine.py::test_one")
+    assert result.ret == 0
+    assert "test_mine.py::test_one" in result.stdout.str()
+    assert "TestDeclaration" not in result.stdout.str()
+    assert "1 test collected" in result.stdout.str()
+
+    n = len(DECLARATION_TESTS)
+    for args, count in ((["test_mine.py"], 2), ([], 2 + n),
+                        (["test_mine.py::test_two", "test_declaration.py"], 1 + n),
+                        (["test_declaration.py::TestDeclaration"], n),
+                        ([f"{HOOKS_KEY}[conn:Good]", "test_mine.py::test_one"], 2)):
+        result = run(kv, "--co", "-q", *args)
+        assert result.ret == 0, result.stdout.str()
+        assert f"{count} test{'s' if count > 1 else ''} collected" in result.stdout.str(), args
