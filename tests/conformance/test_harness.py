@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -422,3 +423,26 @@ def test_a_blocking_scheduler_hook_fails_sch025() -> None:
             e.run(SCENARIOS["single"])
     assert info.value.clause == "SCH-025"
     assert "build_connector_meta took" in info.value.observed
+
+
+@pytest.mark.parametrize(("poison", "clause"), [
+    ("PREEMPTED_POISON", "WRK-012"), ("FREED_POISON", "SCH-017"), ("ALLOC_POISON", "WRK-011"),
+])
+def test_each_poison_found_in_a_loaded_block_names_its_clause(
+    tmp_path: os.PathLike[str], poison: str, clause: str
+) -> None:
+    """Issue 15: the blocks a preemption freed get their own poison, written after
+    handle_preemptions returned, so a transfer that still read them is reported as WRK-012
+    (it was reported as SCH-017, a read after request_finished, which it is not)."""
+    from kvspec.conformance.harness import _worker
+
+    rt = _worker.WorkerRuntime(NullConnector(), HarnessConfig(), 0, str(tmp_path))
+    rt.register()
+    try:
+        value = float(getattr(_worker, poison))
+        got = torch.full((4, 4), value)
+        r = {"id": "r", "blocks": [3, 5], "ext": (4, 8), "tokens": list(range(9))}
+        v = rt._attribute(r, [], 5, 0, got, torch.zeros(4, 4))
+        assert v["clause"] == clause, v
+    finally:
+        rt.shutdown()

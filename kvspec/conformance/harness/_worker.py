@@ -45,12 +45,15 @@ from ..graphs import CapturedGraph, make_capturer
 from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
 
-__all__ = ["ALLOC_POISON", "FREED_POISON", "WorkerRuntime"]
+__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WorkerRuntime"]
 
 FREED_POISON = POISON
 """Written into blocks the engine freed; loading it back proves a read after free."""
 ALLOC_POISON = POISON + 2
 """Written into blocks as they are allocated; finding it means nobody wrote the block."""
+PREEMPTED_POISON = POISON + 4
+"""Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
+loading it back proves a transfer that still read them (WRK-012)."""
 
 
 class WorkerRuntime:
@@ -113,6 +116,8 @@ class WorkerRuntime:
             self.connector.handle_preemptions(frozenset(msg["preempted"]))
         for b in msg["poison_freed"]:
             self._poison(b, FREED_POISON)
+        for b in msg.get("poison_preempted", ()):
+            self._poison(b, PREEMPTED_POISON)
         for b in msg["poison_alloc"]:
             self._poison(b, ALLOC_POISON)
         reqs = msg["reqs"]
@@ -354,6 +359,12 @@ class WorkerRuntime:
                     "engine writes into freed blocks: the connector read blocks after "
                     "request_finished returned False", "expected": "no read of a request's "
                     "blocks after request_finished returned False"}
+        if loaded and bool((got == PREEMPTED_POISON).all()):
+            return {"clause": "WRK-012", "observed": f"{where} was loaded with the poison the "
+                    "engine writes into the blocks of preempted requests once "
+                    "handle_preemptions returned: a transfer still read a preempted request's "
+                    "blocks", "expected": "handle_preemptions returns only once no transfer "
+                    "reads or writes the preempted requests' blocks"}
         if loaded and bool((got == ALLOC_POISON).all()):
             clause = "WRK-005" if self.caps.layer_hooks is HookGraphMode.EAGER else "WRK-011"
             return {"clause": clause, "observed": f"{where} was never written although its load "

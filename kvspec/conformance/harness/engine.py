@@ -195,6 +195,7 @@ class Engine:
         self.awaited: dict[tuple[str, Direction], tuple[int, float]] = {}
         self.step_id = -1
         self._poison_freed: list[int] = []
+        self._poison_preempted: list[int] = []
         self._poison_alloc: list[int] = []
         self._finished_ids: list[str] = []
         self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]],
@@ -362,6 +363,7 @@ class Engine:
             "step": self.step_id,
             "sync_loads": self._sync_loads,
             "poison_freed": self._take(self._poison_freed),
+            "poison_preempted": self._take(self._poison_preempted),
             "poison_alloc": self._take(self._poison_alloc),
             "preempted": sorted(out_view.preempted_req_ids),
             "finished": sorted(out_view.finished_req_ids),
@@ -520,7 +522,7 @@ class Engine:
 
     def _preempt(self, r: _Req, preempted: list[str]) -> None:
         self.running.remove(r)
-        self._poison_freed += self.pool.free(r.blocks)
+        self._poison_preempted += self.pool.free(r.blocks)
         r.blocks, r.num_computed, r.executed, r.ext, r.recv_done = [], 0, 0, (0, 0), False
         self._transition(r, _S.PREEMPTED)
         self._transition(r, _S.WAITING)
@@ -675,8 +677,13 @@ class Engine:
             self._violate("WRK-009", e.message, "each rank reports a request once per direction")
         except UnknownRequestError as e:
             if (e.request_id, e.direction) in self._completed:
+                req = self.requests.get(e.request_id or "")
+                hint = ("; if the connector started a second load on the update_state_after_"
+                        "alloc call with num_external_tokens=0 that follows a finished load, "
+                        "that second load breaks SCH-009" if e.direction is Direction.RECV
+                        and req is not None and req.recv_done else "")
                 self._violate("WRK-009", f"{e.message} (it had already completed in an earlier "
-                              "step)", "each rank reports a request once per direction")
+                              f"step{hint})", "each rank reports a request once per direction")
             self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
         except ReportError as e:
             self._violate(e.clause or "EXE-008", e.message, "consistent reports")
