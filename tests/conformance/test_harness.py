@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from kvspec.protocols import (
     ConnectorStats,
     ContractViolation,
     InvalidArgumentError,
+    KVPacking,
     KVSpecError,
     RequestStatus,
 )
@@ -185,6 +189,32 @@ def test_violation_carries_reproduction() -> None:
     assert err.reproduce is not None
     assert "Workload(name='full-prompt-hit'" in err.reproduce
     assert "prefix_caching=False" in err.reproduce and "at step" in err.reproduce
+
+
+@pytest.mark.parametrize("config", [
+    HarnessConfig(prefix_caching=False),
+    HarnessConfig(prefix_caching=False, order="HND", packing=KVPacking.SPLIT, dtype="float16",
+                  extra={"storage_dir": ""}),
+])
+def test_the_reproduction_is_python_that_fails_the_same_way(
+    tmp_path: os.PathLike[str], config: HarnessConfig
+) -> None:
+    """Issue 18, item 5: the reproduction was not code one could paste and run (no imports,
+    the engine got a name, not the factory). It is now a script: run in a fresh
+    interpreter, it fails with the same clause at the same step."""
+    from kvspec.conformance.connectors.broken import FullPromptHitConnector
+
+    with pytest.raises(ContractViolation) as info:
+        with Engine(FullPromptHitConnector(), config) as e:
+            e.run(SCENARIOS["full-prompt-hit"])
+    script = Path(tmp_path) / "repro.py"
+    script.write_text(info.value.reproduce or "")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "ContractViolation: [SCH-005]" in out.stderr
+    step = (info.value.reproduce or "").splitlines()[0]
+    assert step.startswith("# reproduce: fails at step ")
 
 
 def test_two_engines_hand_off_through_shared_storage(tmp_path: os.PathLike[str]) -> None:

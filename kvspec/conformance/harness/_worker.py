@@ -44,8 +44,10 @@ from ..graphs import CapturedGraph, make_capturer
 
 from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WorkerRuntime"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 FREED_POISON = POISON
 """Written into blocks the engine freed; loading it back proves a read after free."""

@@ -35,8 +35,10 @@ from kvspec.protocols import (
 from ._resources import Snapshot, snapshot
 from ._worker import WorkerRuntime, decode_meta, encode_meta
 from .config import HarnessConfig
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["InProcessWorkers", "ProcessWorkers", "WorkerDiedError", "WorkerGroup"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 StepResult = tuple[list[KVConnectorOutput], list[dict[str, str]]]
 

@@ -10,6 +10,7 @@ configuration, the workload and the step.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import shutil
@@ -44,6 +45,7 @@ from kvspec.protocols import (
     UnknownRequestError,
     check_transition,
     freeze_params,
+    thaw_params,
 )
 
 from ._blockpool import BlockPool, block_hashes
@@ -52,8 +54,10 @@ from ._toymodel import ToyModel, tenant_seed
 from ._workers import InProcessWorkers, ProcessWorkers, WorkerGroup
 from .config import HarnessConfig
 from .workload import RequestSpec, Workload
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["Engine", "RunResult"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 _S = RequestStatus
 
@@ -179,6 +183,7 @@ class Engine:
             )
         self.executor: ExecutorConnector = executor
         spec = factory_spec or f"{type(factory).__module__}:{type(factory).__qualname__}"
+        self._spec = spec
         self.workers: WorkerGroup = (
             InProcessWorkers(factory, self.config, self.tmpdir) if self.config.tp_size == 1
             else ProcessWorkers(spec, self.config, self.tmpdir)
@@ -773,8 +778,28 @@ class Engine:
                                 reproduce=self._reproduce())
 
     def _reproduce(self) -> str:
-        cfg = ", ".join(f"{k}={v!r}" for k, v in attrs.asdict(self.config, recurse=False).items()
+        """Python that reruns this engine's workload on a fresh engine with this connector
+        and fails at the same step (the tmpdir aside), to paste into a file or a shell."""
+        enums: set[str] = set()
+
+        def py(value: Any) -> str:
+            if isinstance(value, enum.Enum):
+                enums.add(type(value).__name__)
+                return f"{type(value).__name__}.{value.name}"
+            if isinstance(value, Mapping):
+                return repr(thaw_params(value))
+            return repr(value)
+
+        cfg = ", ".join(f"{k}={py(v)}" for k, v in attrs.asdict(self.config, recurse=False).items()
                         if v != attrs.fields_dict(HarnessConfig)[k].default)
-        wl = self.workload.describe() if self.workload else "(requests added by hand)"
-        return (f"at step {self.step_id} of Engine({self.factory.name!r}, HarnessConfig({cfg}))\n"
-                f"  .run({wl})")
+        wl = self.workload.describe() if self.workload else "Workload([])  # requests added by hand"
+        wl = wl.replace("\n    ", "\n        ").replace("\n])", "\n    ])")  # inside the with
+        names = ", ".join(sorted({"load_factory", *enums}))
+        return (
+            f"# reproduce: fails at step {self.step_id}\n"
+            "from kvspec.conformance.harness import Engine, HarnessConfig, RequestSpec, Workload\n"
+            f"from kvspec.protocols import {names}\n\n"
+            f"factory = load_factory({self._spec!r})\n"
+            f"with Engine(factory, HarnessConfig({cfg})) as engine:\n"
+            f"    engine.run({wl})"
+        )

@@ -8,8 +8,10 @@ from typing import Any
 
 from ...protocols import Capabilities, ConnectorFactory, KVPacking, StrideOrder
 from ..harness import Engine, HarnessConfig, RunResult, Workload
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["TIMEOUT_ENV", "config_for", "layout_cases", "serve"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 
 TIMEOUT_ENV = "KVSPEC_TRANSFER_TIMEOUT_S"

@@ -16,8 +16,10 @@ from ...protocols.executor import ExecutorConnector
 from ...protocols.scheduler import SchedulerConnector
 from ...protocols.worker import WorkerConnector
 from ._base import ConformanceSuite
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["TestDeclaration"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 
 def _overrides(obj: object, method: str) -> bool:

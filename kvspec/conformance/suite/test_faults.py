@@ -22,8 +22,10 @@ from ..harness import Engine, RequestSpec, RunResult, Workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["TestFaults"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 _PROMPTS = tuple(tuple(range(100 * i, 100 * i + 13 + 4 * i)) for i in range(4))
 

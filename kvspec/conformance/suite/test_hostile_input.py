@@ -29,8 +29,10 @@ from ..harness.scenarios import SCENARIOS
 from . import _hostile
 from ._base import ConformanceSuite
 from ._run import config_for
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["TestHostileInput"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 _SLOW_S = 2.0
 """A decode slower than this on a few hundred bytes is reported (a hang in the making)."""

@@ -24,8 +24,10 @@ from ..harness import Engine, Workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for
+from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["TestStats"]
+__tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 _SAMPLES = 6
 """At most this many values of each kind are combined (120 ordered triples)."""
