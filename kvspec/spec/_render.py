@@ -18,10 +18,28 @@ from pathlib import Path
 from . import clauses_in
 from ._model import Area, Clause
 
-__all__ = ["render_area", "render_clause", "sync_docs", "BEGIN", "END"]
+__all__ = ["render_area", "render_clause", "link_source", "sync_docs", "BEGIN", "END"]
 
 BEGIN = "<!-- clauses:{area} -->"
 END = "<!-- /clauses -->"
+
+
+_UPSTREAM = {"vLLM": "vllm-project/vllm", "kvcached": "ovg-project/kvcached"}
+_REF = re.compile(r"\b(?:(?P<repo>vLLM|kvcached) )?(?P<kind>PR|issue) (?P<num>\d+)")
+
+
+def link_source(tag: str) -> str:
+    """A source tag as Markdown, each upstream pull request and issue it names linked:
+    ``vLLM PR 27026 / issue 26675`` links both to vLLM's GitHub."""
+    repo = "vLLM"
+
+    def link(m: re.Match[str]) -> str:
+        nonlocal repo
+        repo = m.group("repo") or repo
+        path = "pull" if m.group("kind") == "PR" else "issues"
+        return f"[{m.group(0)}](https://github.com/{_UPSTREAM[repo]}/{path}/{m.group('num')})"
+
+    return _REF.sub(link, tag)
 
 
 def render_clause(clause: Clause) -> str:
@@ -34,7 +52,7 @@ def render_clause(clause: Clause) -> str:
         f"*Rationale:* {clause.rationale}",
     ]
     if clause.sources:
-        lines += ["", f"*Sources:* {'; '.join(clause.sources)}"]
+        lines += ["", f"*Sources:* {'; '.join(map(link_source, clause.sources))}"]
     return "\n".join(lines) + "\n"
 
 

@@ -145,3 +145,20 @@ def test_protocols_implement_this_spec_version() -> None:
     import kvspec.spec
 
     assert kvspec.protocols.SPEC_VERSION == kvspec.spec.SPEC_VERSION
+
+
+def test_sources_link_every_upstream_pull_request_and_issue() -> None:
+    """Issue 18, item 10: sources named 'vLLM PR 27743 (seed 002)', unlinked."""
+    from kvspec.spec._render import link_source
+
+    assert link_source("vLLM PR 27026 / issue 26675") == (
+        "[vLLM PR 27026](https://github.com/vllm-project/vllm/pull/27026) / "
+        "[issue 26675](https://github.com/vllm-project/vllm/issues/26675)")
+    assert link_source("kvcached PR 313") == (
+        "[kvcached PR 313](https://github.com/ovg-project/kvcached/pull/313)")
+    assert link_source("vLLM 0.28-0.33 KVConnectorBase_V1") == "vLLM 0.28-0.33 KVConnectorBase_V1"
+    for clause in CLAUSES:
+        for source in clause.sources:
+            assert "seed" not in source
+            if "PR " in source or "issue " in source:
+                assert "](https://github.com/" in link_source(source)

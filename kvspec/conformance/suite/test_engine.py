@@ -69,7 +69,7 @@ class TestEngine(ConformanceSuite):
 
     @pytest.mark.kvspec_clause("LAY-003", "LAY-009", "LAY-012", "WRK-002")
     def test_over_allocated_non_restridable_tensors(self, tmp_path: Path) -> None:
-        """kvcached-style tensors: capacity above the budget, re-striding refused (seed 003)."""
+        """kvcached-style tensors: capacity above the budget, re-striding refused (kvcached PR 313)."""
         serve(self.factory, SCENARIOS["shared-prefix"], tmp_path, extra_capacity=17,
               restridable=False, prefix_caching=False)
 
@@ -97,7 +97,7 @@ class TestEngine(ConformanceSuite):
     def test_two_engines_every_accepted_layout(self, tmp_path: Path) -> None:
         """Prefill to decode in every stride order and K/V packing the connector accepts,
         with padded pages, and every other case over-allocated and not re-stridable
-        (kvcached, seed 003)."""
+        (kvcached PR 313)."""
         wl = Workload([RequestSpec("pd-layout", tuple(range(21)), max_new_tokens=2)],
                       name="disaggregated layouts")
         for i, (order, packing) in enumerate(layout_cases(self.capabilities)):
