@@ -79,3 +79,26 @@ def test_documented_options_match_the_parser(command: str) -> None:
 def test_documented_version_string() -> None:
     text = CLI_PAGE.read_text(encoding="utf-8")
     assert f"`kvspec {__version__} (spec {SPEC_VERSION})`" in text
+
+
+def test_usage_lines_are_generated_from_the_parser() -> None:
+    """Issue 18, item 11: the page said 'three subcommands' and its usage line lacked
+    ``demo``. The build hook writes every usage block and the subcommand list from the
+    parser; the page's source holds the same text, so it reads true unbuilt too."""
+    import importlib.util
+
+    hook_path = CLI_PAGE.parents[1] / "hooks" / "cli_usage.py"
+    spec = importlib.util.spec_from_file_location("cli_usage_hook", hook_path)
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    source = CLI_PAGE.read_text(encoding="utf-8")
+    built = hook.render(source)
+    usages = hook.usages()
+    assert set(usages) >= {"kvspec", "kvspec conform", "kvspec demo pd", "kvspec bench vllm"}
+    for command, usage in usages.items():
+        if command in ("kvspec bench", "kvspec demo"):
+            continue  # dispatchers: no section of their own
+        assert f"```text\n{usage}\n```" in built, command
+        assert f"```text\n{usage}\n```" in source, f"{command}: the page's usage is stale"
+    assert "`spec`, `conform`, `bench`, `demo`" in built

@@ -162,3 +162,24 @@ def test_sources_link_every_upstream_pull_request_and_issue() -> None:
             assert "seed" not in source
             if "PR " in source or "issue " in source:
                 assert "](https://github.com/" in link_source(source)
+
+
+def test_the_site_renders_clause_blocks_from_the_registry() -> None:
+    """Issue 18, item 11: the site's clause blocks come from the registry at build time (a
+    mkdocs hook), whatever the page's source holds."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from kvspec.spec._render import BEGIN, END, render_area
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("spec_pages", root / "docs/hooks/spec_pages.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    stale = f"# Errors\n\n{BEGIN.format(area='ERR')}\nstale text\n{END}\n"
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="spec/err.md"))
+    built = hook.on_page_markdown(stale, page, None, None)
+    assert render_area(Area.ERR) in built and "stale text" not in built
+    other = SimpleNamespace(file=SimpleNamespace(src_uri="tutorial.md"))
+    assert hook.on_page_markdown(stale, other, None, None) == stale
