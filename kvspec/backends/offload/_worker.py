@@ -321,12 +321,7 @@ class OffloadWorker(WorkerConnector):
         for job, plan in zip((*meta.loads, *meta.stores), plans):
             j = _Job(job, plan, timeout)
             if wedged is not None:  # queued behind a stuck copy it would only time out
-                if not job.is_load:
-                    for slot in job.slots:
-                        self._slot_tags[slot] = -1
-                    self._count(store_failures=len(job))
-                else:
-                    self._count(load_failures=len(job))
+                self._failed_job(job)
                 j.future = concurrent.futures.Future()
                 j.future.set_result(job.block_ids)
             elif self._stage is not None and not job.is_load:  # gathered by the hooks
@@ -389,15 +384,19 @@ class OffloadWorker(WorkerConnector):
         except (KVSpecError, RuntimeError, ValueError) as e:
             _log.warning("rank %d: %s of request %s failed: %s", self._rank,
                          "load" if job.is_load else "store", job.request_id, str(e))
-            if not job.is_load:
-                for slot in job.slots:
-                    self._slot_tags[slot] = -1
-                self._count(store_failures=len(job))
-            else:
-                self._count(load_failures=len(job))
+            self._failed_job(job)
             return job.block_ids
         finally:
             j.lock.release()
+
+    def _failed_job(self, job: TransferJob) -> None:
+        """Count a job that failed as a whole; a store's slots stay invalid."""
+        if job.is_load:
+            self._count(load_failures=len(job))
+            return
+        for slot in job.slots:
+            self._slot_tags[slot] = -1
+        self._count(store_failures=len(job))
 
     def _on_stream(self, event: torch.cuda.Event | None) -> torch.cuda.Stream | None:
         stream = self._stream

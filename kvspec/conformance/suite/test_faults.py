@@ -50,6 +50,11 @@ def _all_finished(result: RunResult, prefix: str) -> bool:
 class TestFaults(ConformanceSuite):
     """Failed and slow transfers end as failed receives the engine recomputes."""
 
+    def _check_nothing_loaded(self, hit: RunResult, when: str, expected: str) -> None:
+        loaded = {r: n for r, n in hit.external_tokens.items() if n}
+        self.check(not loaded, "WRK-011",
+                   observed=f"{when}, tokens counted as loaded: {loaded}", expected=expected)
+
     @pytest.mark.kvspec_clause("WRK-011", "ERR-008")
     @pytest.mark.kvspec_requires("fault_injection")
     def test_failed_loads_are_reported_and_recomputed(self, tmp_path: Path) -> None:
@@ -59,13 +64,10 @@ class TestFaults(ConformanceSuite):
         assert _all_finished(hit, "hit")
         if not any(hit.matched_tokens.values()):
             pytest.skip("the connector offered no tokens on the hit pass: nothing could fail")
-        loaded = {r: n for r, n in hit.external_tokens.items() if n}
-        self.check(
-            not loaded, "WRK-011",
-            observed=f"with every load made to fail, tokens counted as loaded: {loaded}",
-            expected="each failed load reported in finished_recving and failed_recving, its "
-            "blocks in invalid_block_ids, so the engine recomputes them",
-        )
+        self._check_nothing_loaded(
+            hit, "with every load made to fail", "each failed load reported in "
+            "finished_recving and failed_recving, its blocks in invalid_block_ids, so the "
+            "engine recomputes them")
 
     @pytest.mark.kvspec_clause("WRK-011", "WRK-013", "ERR-008")
     @pytest.mark.kvspec_requires("fault_injection")
@@ -75,13 +77,9 @@ class TestFaults(ConformanceSuite):
         correct KV."""
         store, hit = _passes(self.factory, tmp_path, FaultPlan(fail_stores=True))
         assert _all_finished(store, "store") and _all_finished(hit, "hit")
-        loaded = {r: n for r, n in hit.external_tokens.items() if n}
-        self.check(
-            not loaded, "WRK-011",
-            observed=f"with every store made to fail, tokens counted as loaded: {loaded}",
-            expected="a load of data that was never stored fails, reported with its blocks "
-            "invalid (or is never offered)",
-        )
+        self._check_nothing_loaded(
+            hit, "with every store made to fail", "a load of data that was never stored "
+            "fails, reported with its blocks invalid (or is never offered)")
 
     @pytest.mark.kvspec_clause("WRK-012", "WRK-014", "SCH-016", "SCH-021", "SCH-023",
                                "ERR-008")
