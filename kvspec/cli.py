@@ -112,7 +112,7 @@ def _conform(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         result = run_conformance(
             specs, profile=args.profile, report_path=report_path, xfail_path=args.xfail,
-            extra_pytest_args=extra,
+            extra_pytest_args=extra, progress=sys.stderr,
         )
     if as_json:
         json.dump(dict(result.report), sys.stdout, indent=2, default=_plain_json)
@@ -240,7 +240,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
     overheads = measure_step_overhead(
         args.overhead_blocks, repeats=grid.repeats, warmup=grid.warmup
     )
-    checks = check_targets(results, overheads)
+    checks = check_targets(results, overheads, repeats=grid.repeats)
     if args.svg:
         from .bench._svg import bar_chart
 
@@ -262,7 +262,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
                 "step_overhead_us": [o.as_dict() for o in overheads],
                 "targets": [
                     {"name": c.name, "measured": c.measured, "threshold": c.threshold,
-                     "passed": c.passed}
+                     "passed": c.passed if c.judged else None, "not_judged": c.not_judged}
                     for c in checks
                 ],
             },
@@ -529,8 +529,12 @@ def _demo_pd(args: argparse.Namespace) -> int:
                         layers=args.layers, heads=args.heads, head_size=args.head_size,
                         order=args.order[0], prefill_tp=args.prefill_tp,
                         decode_tp=args.decode_tp)
+
+    def progress(elapsed: float, text: str) -> None:
+        print(f"kvspec demo pd: {elapsed:5.1f}s {text}", file=sys.stderr, flush=True)
+
     try:
-        report = run_pd_demo(options)
+        report = run_pd_demo(options, progress)
     except RuntimeError as e:
         print(f"kvspec demo pd: FAILED: {e}", file=sys.stderr)
         return 1

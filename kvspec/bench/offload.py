@@ -48,10 +48,13 @@ from ._timing import written_bytes
 
 __all__ = [
     "DTYPES",
+    "JUDGED_MIB",
+    "JUDGED_REPEATS",
     "OffloadGrid",
     "OffloadPoint",
     "OffloadResult",
     "StepOverhead",
+    "TARGET_BLOCKS",
     "TargetCheck",
     "check_targets",
     "format_table",
@@ -69,6 +72,16 @@ DTYPES: dict[str, torch.dtype] = {
 """The dtype names the benchmark accepts."""
 
 _MIB = 1 << 20
+
+JUDGED_MIB = 16
+"""A copy target is judged only where every point of its family moves at least this many
+MiB per copy: below that, per-call costs and caches decide the ratio, not the copy."""
+
+JUDGED_REPEATS = 5
+"""A target is judged only on medians of at least this many timed runs."""
+
+TARGET_BLOCKS = 256
+"""The per-step work targets are for jobs of this many blocks; a smaller job is not judged."""
 
 
 @dataclass(frozen=True)
@@ -253,29 +266,39 @@ class TargetCheck:
         measured: The worst measured value (minimum ratio, or the overhead).
         threshold: The target.
         higher_is_better: True for ratios (``measured >= threshold``), False for times.
+        not_judged: Why the measured value says nothing about the target (a grid too small,
+            too few runs), or None: it is judged.
     """
 
     name: str
     measured: float | None
     threshold: float
     higher_is_better: bool
+    not_judged: str | None = None
+
+    @property
+    def judged(self) -> bool:
+        """Whether the target is judged: something was measured, on a grid large enough."""
+        return self.measured is not None and self.not_judged is None
 
     @property
     def passed(self) -> bool:
-        """Whether the measured value meets the target (False when nothing was measured)."""
-        if self.measured is None:
+        """Whether the measured value meets the target (False when it is not judged)."""
+        if self.measured is None or not self.judged:
             return False
         if self.higher_is_better:
             return self.measured >= self.threshold
         return self.measured < self.threshold
 
     def line(self) -> str:
-        """One line of text: the target, the value and PASS/MISS (or n/a)."""
+        """One line of text: the target, the value and PASS/MISS, or n/a and why."""
         op = ">=" if self.higher_is_better else "<"
         if self.measured is None:
             return f"target {self.name} {op} {self.threshold:g}: not measured in this grid  n/a"
+        verdict = ("PASS" if self.passed else "MISS") if self.judged else (
+            f"n/a ({self.not_judged})")
         return (f"target {self.name} {op} {self.threshold:g}: measured {self.measured:.3g}  "
-                f"{'PASS' if self.passed else 'MISS'}")
+                f"{verdict}")
 
 
 def measure_point(point: OffloadPoint, *, repeats: int, warmup: int, seed: int) -> OffloadResult:
@@ -419,22 +442,45 @@ def measure_step_overhead(
 
 
 def check_targets(
-    results: Sequence[OffloadResult], overheads: Sequence[StepOverhead]
+    results: Sequence[OffloadResult], overheads: Sequence[StepOverhead], *,
+    repeats: int | None = None,
 ) -> list[TargetCheck]:
     """The issue's targets: block-outermost store and load >= 0.9 of the ceiling,
     layer-outermost >= 0.7 (worst point of the family), per-step work < 100 us for each
-    direction."""
+    direction of a job of :data:`TARGET_BLOCKS` blocks.
+
+    A target is not judged (its line says n/a and why, never MISS or PASS) where the grid is
+    too small for it to mean anything: a copy target where a point of its family moves less
+    than :data:`JUDGED_MIB` MiB, a per-step target for a job of fewer than
+    :data:`TARGET_BLOCKS` blocks, any target when ``repeats`` (the timed runs per median,
+    if given) is below :data:`JUDGED_REPEATS`. The ``--quick`` grid is such a grid.
+    """
+    few_runs = repeats is not None and repeats < JUDGED_REPEATS
+
+    def why(small: str | None, needs: str) -> str | None:
+        parts = [p for p in (small, f"{repeats} runs" if few_runs else None) if p]
+        if not parts:
+            return None
+        return (f"too small to judge: {', '.join(parts)}; judged from {needs}, "
+                f"{JUDGED_REPEATS} runs")
+
     checks = []
     for family, threshold in (("block-outermost", 0.9), ("layer-outermost", 0.7)):
         rows = [r for r in results if r.point.family == family]
+        smallest = min((r.bytes_moved for r in rows), default=0)
+        small = f"{smallest / _MIB:.1f} MiB copies" if rows and smallest < JUDGED_MIB * _MIB \
+            else None
         for direction in ("store", "load"):
             values = [r.store_ratio if direction == "store" else r.load_ratio for r in rows]
             checks.append(TargetCheck(f"{family} {direction} ratio (min)",
-                                      min(values) if values else None, threshold, True))
+                                      min(values) if values else None, threshold, True,
+                                      why(small, f"{JUDGED_MIB} MiB copies")))
     for o in overheads:
         checks.append(TargetCheck(
             f"per-step work outside copies, {o.direction} of {o.blocks} blocks (us)",
             o.total_us, 100.0, False,
+            why(f"{o.blocks} blocks" if o.blocks < TARGET_BLOCKS else None,
+                f"{TARGET_BLOCKS} blocks"),
         ))
     return checks
 

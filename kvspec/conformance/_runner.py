@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import IO, Any
 
 import attrs
 
@@ -68,11 +68,17 @@ def run_conformance(
     report_path: str | Path | None = None,
     xfail_path: str | Path | None = None,
     extra_pytest_args: Sequence[str] = (),
+    progress: IO[str] | None = None,
 ) -> ConformanceResult:
     """Run the conformance suite in this process, against each connector, and return the result.
 
-    This is ``pytest --kvspec-conformance=SPEC ... <suite modules>`` with the plugin loaded
-    and a JSON report, so it works from any runner or script. pytest prints its usual output.
+    This is ``pytest --kvspec-conformance=SPEC ...`` with the plugin loaded and a JSON
+    report, so it works from any runner or script. pytest prints its usual output.
+
+    pytest finds its rootdir and ini file (``pytest.ini``, ``pyproject.toml``, ``tox.ini``,
+    ``setup.cfg``) from the current directory, as ``pytest`` run there does, so the
+    project's ``addopts``, ``filterwarnings`` and markers apply; it then collects the
+    suite, not the project's own tests (unless ``extra_pytest_args`` names paths).
 
     Args:
         specs: Connector specs (``"pkg.module:Factory"``), at least one.
@@ -80,14 +86,17 @@ def run_conformance(
         report_path: Also keep the JSON report there.
         xfail_path: An expected-failures file (see :mod:`kvspec.conformance`).
         extra_pytest_args: More pytest arguments (``-x``, ``-k name``, ``-q``...).
+        progress: Run the connectors one after another and write a line to this stream as
+            each starts (``connector 2/6: SPEC: 58 tests (elapsed 40s, ETA 2m10s)``) and
+            ends (its outcomes and time). ``kvspec conform`` passes stderr. None: no lines,
+            pytest's order.
 
     Raises:
         InvalidArgumentError: No spec, a spec that is not a string, or an unknown profile.
     """
     import pytest
 
-    from . import plugin
-    from ._suites import suite_dir
+    from . import _session, plugin
 
     if isinstance(specs, str):
         specs = [specs]
@@ -105,17 +114,27 @@ def run_conformance(
         args = [f"--kvspec-conformance={s}" for s in specs]
         args += [f"--kvspec-profile={profile}", f"--kvspec-report={out}", "-p", "no:cacheprovider",
                  # kvspec is imported before pytest starts, so it cannot be assert-rewritten
-                 "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+                 "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                 # No path argument: pytest takes its rootdir and ini file from the current
+                 # directory, and this plugin (loaded by name, so that xdist workers load it
+                 # too) then collects the suite in place of the project's tests.
+                 "-p", _session.PLUGIN_NAME]
         if xfail_path is not None:
             args.append(f"--kvspec-xfail={xfail_path}")
-        args.append(str(suite_dir()))
         args += [str(a) for a in extra_pytest_args]
         # The plugin is normally loaded from its entry point; pass the module itself only
         # when that entry point is not going to load it (kvspec run from a source tree).
         plugins: list[object] = [] if _entry_point_loads_plugin() else [plugin]
         if report_path is None:
             plugins.append(_TemporaryReport(str(out)))
-        exit_code = int(pytest.main(args, plugins=plugins))
+        shown = _session.ConnectorProgress(specs, progress) if progress is not None else None
+        if shown is not None:
+            plugins.append(shown)
+        try:
+            exit_code = int(pytest.main(args, plugins=plugins))
+        finally:
+            if shown is not None:
+                shown.close()
         report: dict[str, Any] = {}
         if out.exists():
             report = json.loads(out.read_text(encoding="utf-8"))

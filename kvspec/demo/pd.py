@@ -16,7 +16,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -139,6 +139,7 @@ def _prefill(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) -
     handed: set[str] = set()
     try:
         with Engine(NixlConnector(), options.config("prefill")) as engine:
+            _send(conn, {"ready": True})
             for i in range(options.requests):
                 prompt = tuple(range(1000 * i, 1000 * i + options.prompt_tokens))
                 engine.add_request(RequestSpec(f"req-{i}", prompt, max_new_tokens=1))
@@ -165,12 +166,15 @@ def _decode(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) ->
     _quiet_nixl()
     from kvspec.backends.nixl import NixlConnector
     from kvspec.conformance.harness import Engine, RequestSpec
+    from kvspec.protocols import RequestStatus
 
     options = PDOptions(**raw)
     try:
         with Engine(NixlConnector(), options.config("decode")) as engine:
+            _send(conn, {"ready": True})
             start: float | None = None
             added = 0
+            finished = 0
             done = False
             deadline = time.monotonic() + options.timeout_s
             while time.monotonic() < deadline:
@@ -188,6 +192,11 @@ def _decode(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) ->
                 if done and engine.idle:
                     break
                 engine.step()
+                now_finished = sum(1 for r in engine.requests.values()
+                                   if r.status is RequestStatus.FINISHED)
+                if now_finished != finished:
+                    finished = now_finished
+                    _send(conn, {"progress": finished})
             engine.drain()
             result = engine.result()
             layout = engine.config.layout()
@@ -201,40 +210,82 @@ def _decode(conn: multiprocessing.connection.Connection, raw: dict[str, Any]) ->
         _send(conn, {"error": f"decode: {type(e).__name__}: {e}"})
 
 
-def run_pd_demo(options: PDOptions) -> PDReport:
+def run_pd_demo(
+    options: PDOptions, progress: Callable[[float, str], None] | None = None
+) -> PDReport:
     """Run the two engines in two processes and return what they measured.
+
+    Args:
+        options: What to serve.
+        progress: Called with the seconds since the start and a line of text as the demo
+            goes: the engines starting and ready, the hand-offs, the decode engine's
+            finished requests (at most about one line a second for each), each engine done.
 
     Raises:
         RuntimeError: an engine failed (a contract violation names its clause) or the demo
             ran past ``options.timeout_s``.
     """
+    began = time.monotonic()
+    last_said: dict[str, float] = {}
+
+    def say(text: str, *, every: str = "", last: bool = True) -> None:
+        # ``every``: a kind of repeated line, said at most once a second unless ``last``
+        now = time.monotonic()
+        if progress is None or (every and not last and now - last_said.get(every, -9) < 1.0):
+            return
+        if every:
+            last_said[every] = now
+        progress(now - began, text)
+
     ctx = multiprocessing.get_context("spawn")
     p_parent, p_child = ctx.Pipe()
     d_parent, d_child = ctx.Pipe()
     raw = asdict(options)
     prefill = ctx.Process(target=_prefill, args=(p_child, raw), name="kvspec-demo-prefill")
     decode = ctx.Process(target=_decode, args=(d_child, raw), name="kvspec-demo-decode")
+    say(f"starting the prefill engine (TP {options.prefill_tp}) and the decode engine "
+        f"(TP {options.decode_tp}), one process each")
     prefill.start()
     decode.start()
     try:
         deadline = time.monotonic() + options.timeout_s + 30
         p_done: dict[str, Any] | None = None
-        while p_done is None:
-            if time.monotonic() > deadline or not p_parent.poll(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError("kvspec demo pd: the prefill engine did not finish in time")
-            msg = _recv(p_parent)
-            if "error" in msg:
-                raise RuntimeError(msg["error"])
-            if msg.get("done"):
-                p_done = msg
-            else:
-                _send(d_parent, msg)  # a hand-off: plain data to the decode engine
-        _send(d_parent, {"stop": True})
-        if not d_parent.poll(max(0.0, deadline - time.monotonic())):
-            raise RuntimeError("kvspec demo pd: the decode engine did not finish in time")
-        d_done = _recv(d_parent)
-        if "error" in d_done:
-            raise RuntimeError(d_done["error"])
+        d_done: dict[str, Any] | None = None
+        handed = 0
+        while d_done is None:
+            waiting = [d_parent] if p_done is not None else [p_parent, d_parent]
+            ready = multiprocessing.connection.wait(
+                waiting, max(0.0, deadline - time.monotonic()))
+            if not ready or time.monotonic() > deadline:
+                engine = "prefill" if p_done is None else "decode"
+                raise RuntimeError(f"kvspec demo pd: the {engine} engine did not finish in time")
+            for conn in ready:
+                msg = _recv(conn)  # type: ignore[arg-type]
+                if "error" in msg:
+                    raise RuntimeError(msg["error"])
+                if conn is p_parent:
+                    if msg.get("ready"):
+                        say("prefill engine ready")
+                    elif msg.get("done"):
+                        p_done = msg
+                        _send(d_parent, {"stop": True})
+                        say(f"prefill engine done: handed off {msg['handed_off']} requests in "
+                            f"{float(msg['seconds']):.1f} s")
+                    else:
+                        _send(d_parent, msg)  # a hand-off: plain data to the decode engine
+                        handed += 1
+                        say(f"prefill engine: handed off {handed}/{options.requests} requests",
+                            every="handed", last=handed == options.requests)
+                elif msg.get("ready"):
+                    say("decode engine ready")
+                elif "progress" in msg:
+                    n = int(msg["progress"])
+                    say(f"decode engine: finished {n}/{options.requests} requests",
+                        every="decoded", last=n == options.requests)
+                else:
+                    d_done = msg
+        assert p_done is not None  # the decode engine stops only once told to
+        say(f"decode engine done: finished {d_done['finished']} requests")
         return PDReport(
             options=options, handed_off=int(p_done["handed_off"]),
             finished=int(d_done["finished"]), loaded_tokens=int(d_done["loaded_tokens"]),

@@ -156,7 +156,8 @@ def test_capability_names_and_has_capability() -> None:
     names = capability_names()
     assert set(names) == {
         "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
-        "custom_aggregator", "handles_preemptions", "needs_token_rows", "layer_hooks", "capturable_hooks",
+        "custom_aggregator", "handles_preemptions", "needs_token_rows", "fault_injection",
+        "layer_hooks", "capturable_hooks",
         "eager_hooks", "reports_failures", "multiple_kv_cache_groups",
     }
     plain = Capabilities()

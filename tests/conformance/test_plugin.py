@@ -533,6 +533,7 @@ def test_cli_conform_defaults_and_passthrough(monkeypatch: pytest.MonkeyPatch) -
                      "x.txt", "--write-xfail", "w.txt", "--", "-k", "decl", "-x"]) == 3
     specs, kwargs = calls[-1]
     assert specs == ["a.b:C"]
+    assert kwargs.pop("progress") is sys.stderr  # progress lines: kvspec conform only
     assert kwargs == {
         "profile": "full", "report_path": "r.json", "xfail_path": "x.txt",
         "extra_pytest_args": ["-k", "decl", "-x", "--kvspec-write-xfail=w.txt"],
@@ -557,6 +558,137 @@ def test_cli_conform_exit_codes(kv: pytest.Pytester) -> None:
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "clause GRA-001 (Hook graph behaviour is declared) broken by bad" in bad.stdout
     assert json.loads((kv.path / "r.json").read_text())["clauses"]["GRA-001"]["fail"] == 1
+
+    # The connector author's day, item 8: no progress while the connectors ran. They run
+    # one after another now, with a line on stderr as each starts and ends.
+    progress = [line for line in bad.stderr.splitlines() if line.startswith("kvspec conform:")]
+    secs = r"\d+(\.\d)?s"
+    patterns = [
+        rf"kvspec conform: connector 1/2: conn:Good: 7 tests \(elapsed {secs}\)$",
+        rf"kvspec conform: connector 1/2: conn:Good: done, 7 tests in {secs} "
+        rf"\(4 passed, 3 skipped; elapsed {secs}\)$",
+        rf"kvspec conform: connector 2/2: conn:Bad: 7 tests \(elapsed {secs}, ETA {secs}\)$",
+        rf"kvspec conform: connector 2/2: conn:Bad: done, 7 tests in {secs} "
+        rf"\(4 passed, 1 failed, 2 skipped; elapsed {secs}\)$",
+    ]
+    assert len(progress) == len(patterns), bad.stderr
+    for line, pattern in zip(progress, patterns):
+        assert re.match(pattern, line), (line, pattern)
+    # the tests ran connector by connector: Good's results all come before Bad's
+    dots = "".join(line for line in bad.stdout.splitlines()
+                   if line and set(line.split("[")[0].strip()) <= set(".sF"))
+    assert dots.replace(" ", "").startswith("....sss....s"), bad.stdout
+    assert "kvspec conform:" not in good.stdout + bad.stdout  # stdout is pytest's
+
+
+def test_progress_names_a_long_test_while_it_runs(kv: pytest.Pytester) -> None:
+    """The connector author's day, item 8: one suite test can run for a minute and more
+    without output. The progress plugin of ``kvspec conform`` names such a test while it
+    runs, from a thread, past pytest's capture of the test's output."""
+    from kvspec.conformance._session import format_seconds
+
+    kv.makepyfile(slowconn="""
+        import time
+
+        from conn import Good
+
+
+        class Slow(Good):
+            name = "slow"
+
+            def create_scheduler(self, config):
+                time.sleep(1.0)
+                return super().create_scheduler(config)
+    """)
+    # run_conformance's way, with a short heartbeat: the lines go to stderr, which pytest's
+    # capture redirects while a test runs
+    script = textwrap.dedent("""
+        import sys
+
+        import pytest
+
+        from kvspec.conformance._session import ConnectorProgress
+
+        sys.path.insert(0, ".")
+        progress = ConnectorProgress(["conn:Good", "slowconn:Slow"], sys.stderr,
+                                     heartbeat_s=0.3)
+        try:
+            code = pytest.main(["-p", "kvrestrict", "-p", "no:cacheprovider", "-q",
+                                "--kvspec-conformance=conn:Good",
+                                "--kvspec-conformance=slowconn:Slow"], plugins=[progress])
+        finally:
+            progress.close()
+        sys.exit(int(code))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=kv.path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "8 passed, 6 skipped" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line]
+    beats = [line for line in lines if "still running" in line]
+    assert beats and all(re.match(
+        r"kvspec conform: still running test_declaration\.py::TestDeclaration::test_\w+"
+        r"\[slowconn:Slow\] \(\d\.\ds; connector 2/2, elapsed \d+\.\ds\)$", line)
+        for line in beats), lines
+    starts = [i for i, line in enumerate(lines) if re.search(r"connector \d/2: \S+: 7 tests", line)]
+    ends = [i for i, line in enumerate(lines) if ": done, 7 tests in " in line]
+    assert len(starts) == len(ends) == 2 and starts[0] < ends[0] < starts[1] < ends[1], lines
+    assert all(starts[1] < i < ends[1] for i, line in enumerate(lines) if line in beats)
+    assert "kvspec conform:" not in proc.stdout
+    assert [format_seconds(s) for s in (0.04, 9.94, 9.96, 65, 3725)] == [
+        "0.0s", "9.9s", "10s", "1m05s", "1h02m"]
+
+
+@pytest.mark.parametrize("ini", ["pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg"])
+def test_cli_conform_uses_the_rootdir_and_ini_file_of_the_current_directory(
+        kv: pytest.Pytester, ini: str) -> None:
+    """The connector author's day, item 4: ``kvspec conform`` run in a project took pytest's
+    rootdir and ini file from kvspec's own source tree (the suite directory was its path
+    argument), ignoring the project's ``addopts`` and ``filterwarnings``, and printed the
+    suite's paths as ``../<kvspec>/...``. pytest finds them from the current directory now,
+    as ``pytest`` run there does; the project's own tests are still not collected."""
+    section = {"pytest.ini": "[pytest]", "pyproject.toml": "[tool.pytest.ini_options]",
+               "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}[ini]
+    quote = '"' if ini == "pyproject.toml" else ""
+    (kv.path / ini).write_text(
+        f"{section}\naddopts = {quote}-p kvrestrict -rfs{quote}\n"
+        # the project's filter: the warning the connector gives fails its tests
+        f"filterwarnings = {'[' if quote else ''}{quote}error::UserWarning:warnconn{quote}"
+        f"{']' if quote else ''}\n"
+    )
+    kv.makepyfile(test_mine="def test_mine():\n    assert False\n")
+    kv.makepyfile(warnconn="""
+        import warnings
+
+        from conn import Good
+
+
+        class Warns(Good):
+            name = "warns"
+
+            def create_scheduler(self, config):
+                warnings.warn("project filters make this an error", UserWarning)
+                return super().create_scheduler(config)
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvspec", "conform", "conn:Good", "warnconn:Warns"],
+        cwd=kv.path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    out = proc.stdout
+    assert f"rootdir: {kv.path}" in out.splitlines(), out
+    assert f"configfile: {ini}" in out.splitlines(), out
+    # addopts: only the suite module kvrestrict keeps, and the summary of -rfs
+    assert re.search(r"^test_declaration\.py \.\.\.\.sss", out, re.M), out
+    assert "SKIPPED [" in out and "test_engine.py" not in out and "test_mine" not in out
+    assert "../" not in "".join(line.split(" ")[0] for line in out.splitlines())
+    # filterwarnings: the warning of Warns' scheduler is an error in its tests
+    assert proc.returncode == 1, out + proc.stderr
+    assert "broken by warns: observed: Warns.create_scheduler raised UserWarning: project " \
+           "filters make this an error" in out
+    assert "1 failed, 7 passed, 6 skipped" in out
+    failed = re.findall(r"^FAILED (\S+)", out, re.M)
+    assert failed and all(f.endswith("[warnconn:Warns]") for f in failed), out
 
 
 def test_suite_installed_in_a_project_virtualenv_is_collected(kv: pytest.Pytester) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -27,9 +28,23 @@ def test_demo_moves_every_prompt_block_over_nixl() -> None:
 def test_demo_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "pd", "--requests", "1", "--prompt-tokens", "17", "--layers", "1",
                  "--heads", "1", "--head-size", "8", "--order", "LBNHC", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # the report alone: progress goes to stderr
     assert out["finished"] == 1 and out["loaded_tokens"] == 16
     assert out["options"]["order"] == "LBNHC"
+    # The connector author's day, item 8: the demo was silent while its engines started
+    # and ran. A line per phase now, with the seconds since the start.
+    lines = captured.err.splitlines()
+    phases = ["starting the prefill engine (TP 1) and the decode engine (TP 1)",
+              "prefill engine ready", "decode engine ready",
+              "prefill engine: handed off 1/1 requests", "prefill engine done: handed off 1",
+              "decode engine: finished 1/1 requests", "decode engine done: finished 1"]
+    for phase in phases:
+        assert any(re.match(r"kvspec demo pd: +\d+\.\ds " + re.escape(phase), line)
+                   for line in lines), (phase, lines)
+    order = [next(i for i, line in enumerate(lines) if phase in line) for phase in phases]
+    assert order[0] == 0 and order[-1] == len(lines) - 1
+    assert order[3] < order[4] < order[6] and order[5] < order[6]
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])

@@ -6,19 +6,21 @@ back to their baseline."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("nixl")
 
-from kvspec.backends.nixl import NixlConnector, NixlWorker, PeerInfo, load_nixl  # noqa: E402
+from kvspec.backends.nixl import NixlConnector, NixlWorker, PeerInfo  # noqa: E402
 from kvspec.conformance.harness import (  # noqa: E402
     Engine,
     HarnessConfig,
@@ -56,21 +58,47 @@ def _handed_off() -> dict[str, Any]:
     return dict(params)
 
 
+_SILENT = """
+import json, sys
+import numpy as np, torch
+from kvspec.backends.nixl import load_nixl
+api = load_nixl()
+agent = api.nixl_agent("silent-" + sys.argv[1], api.nixl_agent_config(
+    enable_prog_thread=False, backends=["UCX"]))
+buf = torch.zeros(1 << 20, dtype=torch.uint8)
+agent.register_memory(np.array([[buf.data_ptr(), buf.numel(), 0]], dtype=np.uint64), "DRAM")
+print(json.dumps({"name": agent.name, "meta": agent.get_agent_metadata().hex(),
+                  "addr": buf.data_ptr(), "nbytes": buf.numel()}), flush=True)
+sys.stdin.read()  # never progresses: reads from it never complete; ends when stdin closes
+"""
+
+
 class _SilentPeer:
-    """A NIXL agent in this process with registered memory that never makes progress:
-    reads from it never complete (a hung producer)."""
+    """A NIXL agent in a child process with registered memory that never makes progress:
+    reads from it never complete (a hung producer). In its own process, so the sockets it
+    accepts are not counted against the engine under test."""
 
     def __init__(self) -> None:
-        api = load_nixl()
-        self.agent: Any = api.nixl_agent(f"silent-{os.getpid()}", api.nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"]))
-        self.buf = torch.zeros(1 << 20, dtype=torch.uint8)
-        self.reg = self.agent.register_memory(
-            np.array([[self.buf.data_ptr(), self.buf.numel(), 0]], dtype=np.uint64), "DRAM")
+        self.proc = subprocess.Popen([sys.executable, "-c", _SILENT, str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # NIXL logs to stdout too: the JSON line is ours
+            if line.startswith("{"):
+                self.info = json.loads(line)
+                return
+        self.close()
+        raise AssertionError("the silent NIXL peer did not start")
 
     def close(self) -> None:
-        self.agent.deregister_memory(self.reg)
-        self.agent = self.reg = None
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 @pytest.mark.parametrize("fault", ["producer-gone", "producer-hangs"])
@@ -82,9 +110,9 @@ def test_the_decode_engine_recomputes_and_releases_everything(fault: str) -> Non
     if fault == "producer-hangs":  # the same hand-off, served by an agent that never answers
         silent = _SilentPeer()
         info = PeerInfo.from_json(params["peers"]["0"])
-        fake = attrs.evolve(info, agent_name=silent.agent.name,
-                            agent_metadata=silent.agent.get_agent_metadata(),
-                            base_address=silent.buf.data_ptr(), nbytes=silent.buf.numel())
+        fake = attrs.evolve(info, agent_name=silent.info["name"],
+                            agent_metadata=bytes.fromhex(silent.info["meta"]),
+                            base_address=silent.info["addr"], nbytes=silent.info["nbytes"])
         params["peers"] = {"0": fake.to_json()}
     start = time.monotonic()
     with Engine(NixlConnector(), attrs.evolve(
@@ -93,7 +121,7 @@ def test_the_decode_engine_recomputes_and_releases_everything(fault: str) -> Non
         out = decode.run(Workload([attrs.evolve(SPEC, kv_transfer_params=params)], name="d"))
         worker = decode.workers.runtime.connector  # type: ignore[attr-defined]
         assert isinstance(worker, NixlWorker)
-    if silent is not None:  # its end of the connection is this process's too
+    if silent is not None:
         silent.close()
     assert time.monotonic() - start < 20  # no hang: bounded by the transfer timeout
     assert out.finished == ("r",)
