@@ -106,11 +106,13 @@ class _Tracked:
     broken: str | None = None  # the clause a ContractViolation named
     strict_xpass: bool = False
     listed: bool = False
+    loads: dict[str, int] | None = None  # what the connector loaded in the test's engines
 
     def plain(self) -> dict[str, Any]:
         """What a report carries to the xdist controller (set by the worker)."""
         return {"key": self.key, "connector": self.connector, "clauses": list(self.clauses),
-                "violation": self.violation, "broken": self.broken, "listed": self.listed}
+                "violation": self.violation, "broken": self.broken, "listed": self.listed,
+                "loads": self.loads}
 
     def absorb(self, data: dict[str, Any]) -> None:
         """Take the worker's data from :meth:`plain` (the same values in a single process)."""
@@ -120,6 +122,8 @@ class _Tracked:
         self.violation = data.get("violation")
         self.broken = data.get("broken")
         self.listed = bool(data.get("listed"))
+        loads = data.get("loads")
+        self.loads = dict(loads) if isinstance(loads, dict) else None
 
 
 def _find_violation(exc: BaseException) -> ContractViolation | None:
@@ -465,6 +469,11 @@ class Recorder:
         tracked = self.tracked.get(item.nodeid)
         if tracked is None:
             return report
+        engine = sys.modules.get("kvspec.conformance.harness.engine")
+        if engine is not None and call.when in ("setup", "call"):
+            tally = engine.take_load_tally()  # setup: drop what came before the test
+            if call.when == "call":
+                tracked.loads = tally
         if call.excinfo is not None:
             self._attribute(item, tracked, report, call.excinfo.value)
         data = tracked.plain()
@@ -584,7 +593,7 @@ class Recorder:
             "tests": [
                 {"nodeid": t.nodeid, "key": t.key, "outcome": t.outcome, "clauses": t.clauses,
                  "connector": t.connector, "duration": round(t.duration, 6),
-                 "message": t.message}
+                 "message": t.message, "loads": t.loads}
                 for t in done
             ],
             "clauses": self.clause_table(),

@@ -115,3 +115,24 @@ def test_a_failure_is_counted_once_against_the_clause_it_names(
     result.stdout.fnmatch_lines([f"*clause {clause} (*{says}*"])
     data = json.loads(report.read_text())
     assert {cid for cid, row in data["clauses"].items() if row["fail"]} == {clause}
+
+
+def test_the_report_counts_each_tests_loads(pytester: pytest.Pytester) -> None:
+    """Issue 15: a scenario in which the connector loads nothing must show. Each test of
+    the JSON report says how many loads the connector started, the tokens it offered for
+    them and the tokens it delivered."""
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        "--kvspec-conformance=kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
+        f"--kvspec-report={report}", "-p", "no:cacheprovider",
+        "-k", "test_scenario and (partial-local-hit or single)",
+    )
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    loads = {t["nodeid"].split("[", 1)[1]: t["loads"]
+             for t in json.loads(report.read_text())["tests"]}
+    assert len(loads) == 4
+    for test, tally in loads.items():
+        if "partial-local-hit" in test:
+            assert tally["loads"] >= 2 and tally["loaded_tokens"] == tally["matched_tokens"] > 0
+        else:  # one request: nothing stored before it arrives
+            assert tally == {"loads": 0, "matched_tokens": 0, "loaded_tokens": 0}

@@ -59,6 +59,19 @@ from .._tracebacks import hide_unless_harness_bug
 __all__ = ["Engine", "RunResult"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
+_TALLY = {"loads": 0, "matched_tokens": 0, "loaded_tokens": 0}
+"""What the connector loaded in this process's engines since :func:`take_load_tally` was
+last called: loads started, tokens it offered for them, tokens it delivered."""
+
+
+def take_load_tally() -> dict[str, int]:
+    """Return and reset :data:`_TALLY` (the conformance report counts each test's loads,
+    so a scenario in which a connector loads nothing shows)."""
+    out = dict(_TALLY)
+    for k in _TALLY:
+        _TALLY[k] = 0
+    return out
+
 _S = RequestStatus
 
 
@@ -453,6 +466,9 @@ class Engine:
             if ext:
                 self._external[r.rid] = self._external.get(r.rid, 0) + ext
                 self._matched[r.rid] = self._matched.get(r.rid, 0) + ext
+                _TALLY["loads"] += 1
+                _TALLY["matched_tokens"] += ext
+                _TALLY["loaded_tokens"] += ext
                 self._sync_loads = True
             self.waiting.remove(r)
             self._transition(r, _S.RUNNING)
@@ -537,6 +553,8 @@ class Engine:
 
     def _to_remote(self, r: _Req, local: int, ext: int) -> None:
         self._matched[r.rid] = self._matched.get(r.rid, 0) + ext
+        _TALLY["loads"] += 1
+        _TALLY["matched_tokens"] += ext
         r.ext = (local, local + ext)
         r.num_computed = local
         self._update_after_alloc(r, ext)
@@ -726,6 +744,7 @@ class Engine:
         r.num_computed = end
         r.recv_done = True
         self._external[rid] = self._external.get(rid, 0) + (end - start)
+        _TALLY["loaded_tokens"] += end - start
         r.ext = (start, end)
         self._transition(r, _S.WAITING)
         self.waiting.appendleft(r)
