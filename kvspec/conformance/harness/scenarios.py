@@ -76,6 +76,9 @@ SCENARIOS: Mapping[str, Workload] = MappingProxyType({
         "preemption",
         *(RequestSpec(f"p{i}", tuple(range(10 * i, 10 * i + 14)), max_new_tokens=6,
                       arrival_step=i % 2) for i in range(6)),
+        # the first prompts again, while memory is still tight: loads under preemption
+        *(RequestSpec(f"p{i}-again", tuple(range(10 * i, 10 * i + 14)), max_new_tokens=3,
+                      arrival_step=step) for i, step in ((0, 10), (1, 14), (2, 18))),
     ),
     # Long prompts in small chunks; requests finishing while others load (SCH-009, SCH-011).
     "chunked": _w(

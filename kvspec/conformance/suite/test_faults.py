@@ -97,5 +97,7 @@ class TestFaults(ConformanceSuite):
                          extra={FAULTS_KEY: FaultPlan(delay_s=0.15).to_plain()}, **overrides)
         wl = SCENARIOS[scenario]
         with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
-            result = engine.run(attrs.evolve(wl, name=f"{wl.name} (slow transfers)"))
+            # the engine steps while transfers wait in wall-clock time: allow many steps
+            result = engine.run(attrs.evolve(wl, name=f"{wl.name} (slow transfers)"),
+                                max_steps=50_000)
         assert set(result.finished) | set(result.aborted) == {r.request_id for r in wl.requests}
