@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -476,3 +477,22 @@ def test_each_poison_found_in_a_loaded_block_names_its_clause(
         assert v["clause"] == clause, v
     finally:
         rt.shutdown()
+
+
+def test_a_run_out_of_steps_names_the_requests_left() -> None:
+    """Issue 15: a run that never finished said only 'did not finish in 500 steps'. It now
+    names the requests left and their states (here, one the connector defers forever)."""
+    from kvspec.conformance.connectors.null import NullScheduler
+
+    class _Deferring(NullScheduler):
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                       ) -> tuple[int | None, bool]:
+            return None, False
+
+    class _Connector(NullConnector):
+        def create_scheduler(self, config: Any) -> Any:
+            return _Deferring(config)
+
+    with pytest.raises(AssertionError, match="did not finish in 20 steps.*r waiting"):
+        with Engine(_Connector(), HarnessConfig()) as e:
+            e.run(Workload([RequestSpec("r", (1, 2, 3, 4, 5))]), max_steps=20)

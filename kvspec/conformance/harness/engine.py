@@ -291,7 +291,8 @@ class Engine:
                 break
             if i >= max_steps and not self.awaited:  # awaited transfers end by their timeout
                 raise AssertionError(
-                    f"harness: workload {workload.name!r} did not finish in {max_steps} steps"
+                    f"harness: workload {workload.name!r} did not finish in {max_steps} steps "
+                    f"({self.stuck()})"
                 )
             self.step()
         self.drain()
@@ -774,6 +775,13 @@ class Engine:
         full = min(r.executed, len(r.tokens)) // self.config.block_size
         for i in range(min(full, len(r.blocks), len(r.hashes))):
             self.pool.cache(r.blocks[i], r.hashes[i])
+
+    def stuck(self) -> str:
+        """The requests not finished yet and their states, for a run that ran out of steps
+        (a request the connector keeps deferring, SCH-002, waits forever)."""
+        left = [f"{r.rid} {r.status.value}" for r in self.requests.values()
+                if r.status not in (_S.FINISHED, _S.ABORTED)]
+        return "requests not finished: " + (", ".join(left[:8]) or "none")
 
     def _check_awaited(self) -> None:
         now = time.monotonic()

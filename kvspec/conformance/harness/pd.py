@@ -65,8 +65,11 @@ def run_disaggregated(
                         d.add_request(spec)
                 if i > last and p.idle and d.idle:
                     break
-                if i >= max_steps:
-                    raise AssertionError(f"harness: {workload.name!r} did not finish in {max_steps} steps")
+                # awaited transfers end by their timeout, with the clause they break
+                if i >= max_steps and not p.awaited and not d.awaited:
+                    raise AssertionError(
+                        f"harness: {workload.name!r} did not finish in {max_steps} steps "
+                        f"(prefill: {p.stuck()}; decode: {d.stuck()})")
                 p.step()
                 d.step()
             p.drain()
