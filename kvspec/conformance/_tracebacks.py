@@ -24,6 +24,8 @@ def hide_unless_harness_bug(excinfo: Any) -> bool:
     """``__tracebackhide__`` for the harness and suite modules (see the module docstring)."""
     if excinfo is None:
         return True
+    if not isinstance(excinfo.value, Exception):  # pytest.skip / fail / xfail: their place
+        return False
     errors = sys.modules.get("kvspec.protocols.errors")
     if errors is not None and isinstance(excinfo.value, errors.KVSpecError):
         return True

@@ -36,6 +36,7 @@ from kvspec.protocols import (
     ConnectorMetadata,
     ConnectorStats,
     EngineConfigView,
+    FaultPlan,
     ForwardContextView,
     HandshakeMetadata,
     InvalidArgumentError,
@@ -73,6 +74,7 @@ class _Load:
     transfers: list[NixlTransfer]
     failed: bool = False
     engine_id: str = ""
+    not_before: float = 0.0  # the fault plan's delay: reported no sooner than this
 
 
 @attrs.define
@@ -123,6 +125,7 @@ class NixlWorker(WorkerConnector):
 
     def __init__(self, config: EngineConfigView, rank: int) -> None:
         self._settings = NixlSettings.from_config(config)
+        self._faults = FaultPlan.from_config(config)  # the conformance suite's fault seam
         if isinstance(rank, bool) or not isinstance(rank, int) or not (
             0 <= rank < config.world_size
         ):
@@ -327,15 +330,19 @@ class NixlWorker(WorkerConnector):
             if load.local_blocks:
                 self._failed_early[load.request_id] = load.local_blocks
             return
-        if not load.local_blocks:  # nothing to read: only free the producer's blocks
+        if not load.local_blocks or self._faults.fail_loads:
+            # nothing to read (or the fault plan fails the read): free the producer's blocks
             for source in sources:
                 endpoint.send_notification(source.agent, _notification(load, source.readers))
+            if load.local_blocks:
+                self._failed_early[load.request_id] = load.local_blocks
             return
         if load.request_id in self._reads:
             raise InvalidArgumentError(
                 f"request {load.request_id!r} already has a READ in flight", clause="SCH-013"
             )
-        entry = _Load(load.local_blocks, [], engine_id=load.engine_id)
+        entry = _Load(load.local_blocks, [], engine_id=load.engine_id,
+                      not_before=time.monotonic() + self._faults.delay_s)
         for source in sources:
             try:
                 entry.transfers.append(endpoint.start_read(
@@ -399,7 +406,7 @@ class NixlWorker(WorkerConnector):
                              "first from %s: %r", self._rank, len(dropped), *dropped[0])
             for rid, entry in list(self._reads.items()):
                 states = [endpoint.poll(t) for t in entry.transfers]
-                if TransferState.IN_PROGRESS in states:
+                if TransferState.IN_PROGRESS in states or now < entry.not_before:
                     continue  # its blocks are still being written: report all at once
                 del self._reads[rid]
                 recving.add(rid)

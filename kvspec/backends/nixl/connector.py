@@ -54,6 +54,7 @@ class NixlConnector(ConnectorFactory):
             failure_reporting=FailureReporting.INVALID_BLOCKS,
             handles_preemptions=True,
             heterogeneous_tp=True,
+            fault_injection=True,  # fail_loads and delay_s on the consumer's READs
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

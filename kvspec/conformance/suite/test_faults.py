@@ -18,7 +18,7 @@ import attrs
 import pytest
 
 from ...protocols import FAULTS_KEY, FaultPlan
-from ..harness import Engine, RequestSpec, RunResult, Workload
+from ..harness import Engine, RequestSpec, RunResult, Workload, run_disaggregated
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for
@@ -68,6 +68,26 @@ class TestFaults(ConformanceSuite):
             hit, "with every load made to fail", "each failed load reported in "
             "finished_recving and failed_recving, its blocks in invalid_block_ids, so the "
             "engine recomputes them")
+
+    @pytest.mark.kvspec_clause("WRK-011", "ERR-008", "SCH-016")
+    @pytest.mark.kvspec_requires("fault_injection")
+    def test_failed_loads_in_a_hand_off_are_recomputed(self, tmp_path: Path) -> None:
+        """Two engines: the decode engine's every load fails. Each hand-off the connector
+        offered is reported failed and recomputed, and the prefill engine still frees its
+        blocks (its delayed frees end, SCH-016)."""
+        wl = Workload([RequestSpec(f"pd-{i}", p, max_new_tokens=2, arrival_step=i)
+                       for i, p in enumerate(_PROMPTS)], name="hand-off, loads failing")
+        prefill = config_for(self.capabilities, prefix_caching=False)
+        decode = attrs.evolve(prefill, extra={**prefill.extra,
+                                              FAULTS_KEY: FaultPlan(fail_loads=True).to_plain()})
+        _, hit = run_disaggregated(self.factory, wl, prefill=prefill, decode=decode,
+                                   tmpdir=str(tmp_path))
+        assert set(hit.finished) == {r.request_id for r in wl.requests}
+        if not any(hit.matched_tokens.values()):
+            pytest.skip("the decode engine was offered no tokens: nothing could fail")
+        self._check_nothing_loaded(
+            hit, "with every load of the decode engine made to fail", "each failed load "
+            "reported in finished_recving and failed_recving, its blocks invalid")
 
     @pytest.mark.kvspec_clause("WRK-011", "WRK-013", "ERR-008")
     @pytest.mark.kvspec_requires("fault_injection")
