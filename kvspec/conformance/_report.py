@@ -472,7 +472,7 @@ class Recorder:
         engine = sys.modules.get("kvspec.conformance.harness.engine")
         if engine is not None and call.when in ("setup", "call"):
             tally = engine.take_load_tally()  # setup: drop what came before the test
-            if call.when == "call":
+            if call.when == "call" and tally["engines"]:  # None: the test ran no engine
                 tracked.loads = tally
         if call.excinfo is not None:
             self._attribute(item, tracked, report, call.excinfo.value)

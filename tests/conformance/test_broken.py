@@ -135,4 +135,4 @@ def test_the_report_counts_each_tests_loads(pytester: pytest.Pytester) -> None:
         if "partial-local-hit" in test:
             assert tally["loads"] >= 2 and tally["loaded_tokens"] == tally["matched_tokens"] > 0
         else:  # one request: nothing stored before it arrives
-            assert tally == {"loads": 0, "matched_tokens": 0, "loaded_tokens": 0}
+            assert tally == {"engines": 1, "loads": 0, "matched_tokens": 0, "loaded_tokens": 0}

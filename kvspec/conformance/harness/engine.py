@@ -59,9 +59,9 @@ from .._tracebacks import hide_unless_harness_bug
 __all__ = ["Engine", "RunResult"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
-_TALLY = {"loads": 0, "matched_tokens": 0, "loaded_tokens": 0}
-"""What the connector loaded in this process's engines since :func:`take_load_tally` was
-last called: loads started, tokens it offered for them, tokens it delivered."""
+_TALLY = {"engines": 0, "loads": 0, "matched_tokens": 0, "loaded_tokens": 0}
+"""What ran in this process since :func:`take_load_tally` was last called: engines
+started, loads the connector started, tokens it offered for them, tokens it delivered."""
 
 
 def take_load_tally() -> dict[str, int]:
@@ -173,6 +173,7 @@ class Engine:
         if baseline is not None:
             Engine._baseline = baseline
         Engine._live.append(self)
+        _TALLY["engines"] += 1
 
     def _abandon(self) -> None:
         """Release what a constructor that failed half-way had built."""
