@@ -135,12 +135,9 @@ def _suite_node(arg: str, config: pytest.Config, root: Path) -> str | None:
     else:
         if not given.is_absolute():
             candidates.append(root / given)
-        try:
-            relative = Path(os.path.normpath(full)).relative_to(config.rootpath)
-        except ValueError:
-            pass
-        else:
-            candidates.append(root / relative)
+        normal = Path(os.path.normpath(full))
+        if normal.is_relative_to(config.rootpath):  # as printed relative to the rootdir
+            candidates.append(root / normal.relative_to(config.rootpath))
     for path in candidates:
         if path.parent == root and _is_module(path) and path.is_file():
             return path.name + sep + rest

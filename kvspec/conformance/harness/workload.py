@@ -104,7 +104,8 @@ class Workload:
             raise InvalidArgumentError(f"workload {self.name!r} repeats a request id: {ids}")
 
     def describe(self) -> str:
-        """A Python expression that rebuilds this workload (the reproduction of a failure)."""
+        """A Python expression that rebuilds this workload (part of a failure's reproduction
+        script)."""
         reqs = ",\n    ".join(r.describe() for r in self.requests)
         return f"Workload(name={self.name!r}, requests=[\n    {reqs},\n])"
 
