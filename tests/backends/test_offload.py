@@ -33,7 +33,9 @@ from kvspec.protocols import (
     AllocatedBlocks,
     BlockRemoved,
     BlockStored,
+    CachedRequestView,
     EngineConfigView,
+    FaultPlan,
     ForwardContextView,
     ForwardKind,
     InvalidArgumentError,
@@ -42,6 +44,7 @@ from kvspec.protocols import (
     KVConnectorOutput,
     KVPacking,
     MalformedMetadataError,
+    NewRequestView,
     RequestView,
     SchedulerOutputView,
     StrideOrder,
@@ -302,6 +305,104 @@ def test_a_failed_store_is_never_advertised_or_matched() -> None:
         sched.shutdown()
 
 
+def _scheduled(step: int, new: tuple[NewRequestView, ...] = (),
+               cached: tuple[CachedRequestView, ...] = (),
+               preempted: frozenset[str] = frozenset()) -> SchedulerOutputView:
+    counts = {r.request_id: BS for r in (*new, *cached)}
+    return SchedulerOutputView(step_id=step, scheduled_new_reqs=new,
+                               scheduled_cached_reqs=cached, preempted_req_ids=preempted,
+                               num_scheduled_tokens=counts)
+
+
+def test_running_requests_prompt_blocks_are_stored_while_they_run() -> None:
+    """``store_when="computed"`` (the default): the step after a prompt block is computed
+    stores it; the request's stores are reported together once it finished (WRK-010), and
+    its free is delayed until then (SCH-016), even when nothing is left to store."""
+    sched = OffloadScheduler(_config(offload_slots=8))
+    worker, layout, layers = _registered(offload_slots=8)
+    try:
+        a = _request("a", list(range(13)))  # three full prompt blocks
+        sched.on_new_request(a)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        # Step 1 computes 8 tokens (blocks 0 and 1): nothing is stored before they exist.
+        first = sched.build_connector_meta(_scheduled(
+            1, new=(NewRequestView(a, AllocatedBlocks.single((5, 6)), 0),)))
+        assert isinstance(first, OffloadMetadata) and not first.stores
+        # Step 2 computes the rest; blocks 0 and 1 were computed by step 1: stored now.
+        second = sched.build_connector_meta(_scheduled(2, cached=(CachedRequestView(
+            "a", AllocatedBlocks.single((7, 8)), num_computed_tokens=8),)))
+        assert isinstance(second, OffloadMetadata)
+        assert [(j.request_id, j.block_ids) for j in second.stores] == [("a", (5, 6))]
+        _run(worker, second)
+        # Running: the completed store is not reported (WRK-010) nor matched.
+        time.sleep(0.05)
+        assert worker.get_finished(frozenset()) == (frozenset(), frozenset())
+        b = _request("b", list(range(13)))
+        sched.on_new_request(b)
+        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        # Step 3: block 2 (computed by step 2) is stored too.
+        third = sched.build_connector_meta(_scheduled(3, cached=(CachedRequestView(
+            "a", num_computed_tokens=13),)))
+        assert isinstance(third, OffloadMetadata)
+        assert [j.block_ids for j in third.stores] == [(7,)]
+        _run(worker, third)
+        done = _request("a", list(range(13)), computed=13)
+        assert sched.request_finished(done, (5, 6, 7, 8)) == (True, None)  # nothing new
+        assert not _meta(sched, 4).stores
+        _wait_finished(worker, "a", recv=False)
+        _finish_store(sched, "a")
+        stored = [e for e in sched.take_events() if isinstance(e, BlockStored)]
+        assert sum(len(e.block_hashes) for e in stored) == 3
+        assert sched.get_num_new_matched_tokens(b, 0) == (12, True)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_a_preempted_requests_stores_are_fenced_and_it_stores_again_when_resumed() -> None:
+    """WRK-012: ``handle_preemptions`` returns only once the preempted request's copies
+    ended; a resumed request (new blocks) does not store what is stored or being stored."""
+    sched = OffloadScheduler(_config(offload_slots=8))
+    worker, layout, layers = _registered(offload_slots=8, load_delay_s=0.0)
+    worker._faults = FaultPlan(delay_s=0.2)  # every copy waits 0.2 s first
+    try:
+        a = _request("a", list(range(9)))
+        sched.on_new_request(a)
+        sched.get_num_new_matched_tokens(a, 0)
+        sched.build_connector_meta(_scheduled(
+            1, new=(NewRequestView(a, AllocatedBlocks.single((1, 2, 3)), 0),)))
+        meta = sched.build_connector_meta(_scheduled(2, cached=(CachedRequestView(
+            "a", num_computed_tokens=9),)))
+        assert isinstance(meta, OffloadMetadata) and [j.block_ids for j in meta.stores] == [(1, 2)]
+        _run(worker, meta)
+        (job,) = worker._stores["a"]
+        assert not job.future.done()
+        start = time.monotonic()
+        worker.handle_preemptions(frozenset({"a"}))
+        assert job.future.done() and time.monotonic() - start < 5
+        resumed = sched.build_connector_meta(_scheduled(
+            3, new=(NewRequestView(a, AllocatedBlocks.single((4, 5, 6)), 8),),
+            preempted=frozenset()))
+        assert isinstance(resumed, OffloadMetadata) and not resumed.stores
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_store_when_finished_stores_nothing_while_running() -> None:
+    sched = OffloadScheduler(_config(offload_store="finished"))
+    a = _request("a", list(range(9)))
+    sched.on_new_request(a)
+    sched.get_num_new_matched_tokens(a, 0)
+    sched.build_connector_meta(_scheduled(
+        1, new=(NewRequestView(a, AllocatedBlocks.single((1, 2, 3)), 0),)))
+    meta = sched.build_connector_meta(_scheduled(2, cached=(CachedRequestView(
+        "a", num_computed_tokens=9),)))
+    assert isinstance(meta, OffloadMetadata) and not meta.stores
+    with pytest.raises(InvalidArgumentError, match="offload_store"):
+        OffloadScheduler(_config(offload_store="sometimes"))
+
+
 def test_scheduler_drops_blocks_of_failed_loads() -> None:
     sched = OffloadScheduler(_config())
     prompt = list(range(9))
@@ -376,7 +477,7 @@ def _block_bytes(layout: KVCacheLayout, layers: list[torch.Tensor], block: int) 
 def _wait_finished(worker: OffloadWorker, rid: str, recv: bool) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        sending, recving = worker.get_finished(frozenset())
+        sending, recving = worker.get_finished(frozenset() if recv else frozenset({rid}))  # WRK-010
         if rid in (recving if recv else sending):
             return
         time.sleep(0.005)

@@ -104,7 +104,7 @@ def _until(worker: OffloadWorker, rid: str, *, recv: bool, limit_s: float = 5.0)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         start = time.monotonic()
-        sending, recving = worker.get_finished(frozenset())
+        sending, recving = worker.get_finished(frozenset() if recv else frozenset({rid}))  # WRK-010
         longest = max(longest, time.monotonic() - start)
         if rid in (recving if recv else sending):
             return longest

@@ -64,6 +64,7 @@ def test_the_good_connectors_pass_the_same_selection(pytester: pytest.Pytester) 
         "--kvspec-conformance=kvspec.conformance.connectors.shared_storage:SharedStorageConnector",
         "--kvspec-conformance=kvspec.conformance.connectors.null:NullConnector",
         "--kvspec-conformance=kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
+        "--kvspec-conformance=kvspec.conformance.connectors.broken:EagerSavesConnector",
         "-p", "no:cacheprovider", "-k", "test_scenario or TestGraphModes or TestHostileInput or TestStats or TestFaults",
     )
     assert result.ret == 0, result.stdout.str()[-3000:]

@@ -107,6 +107,10 @@ class OffloadSettings:
         stage_blocks: Blocks one forward stores through the capturable per-layer store
             path (``store_path="layerwise"``), the rest waiting for the next forward;
             ``extra["offload_stage_blocks"]``, default 32. Sizes the device staging buffer.
+        store_when: ``"computed"`` (default): a running request's full prompt blocks are
+            stored in the step after the one that computed them, while it runs (the rest
+            when it finishes); ``"finished"``: every block is stored when the request
+            finishes. ``extra["offload_store"]``.
     """
 
     offload_bytes: int = 64 << 20
@@ -117,6 +121,7 @@ class OffloadSettings:
     load_fault_rate: float = 0.0
     fault_seed: int = 0
     stage_blocks: int = 32
+    store_when: str = "computed"
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> OffloadSettings:
@@ -137,6 +142,12 @@ class OffloadSettings:
                 f"config.extra['eviction'] is {eviction!r}; expected 'lru' or 'arc'",
                 clause="ERR-002",
             )
+        store_when = extra.get("offload_store", "computed")
+        if store_when not in ("computed", "finished"):
+            raise InvalidArgumentError(
+                f"config.extra['offload_store'] is {store_when!r}; expected 'computed' or "
+                "'finished'", clause="ERR-002",
+            )
         seed = extra.get("fault_seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError(
@@ -151,6 +162,7 @@ class OffloadSettings:
             load_fault_rate=_number(extra, "load_fault_rate", 0.0, positive=False, maximum=1.0),
             fault_seed=seed,
             stage_blocks=_int(extra, "offload_stage_blocks", 32),
+            store_when=str(store_when),
         )
 
 
@@ -481,6 +493,18 @@ class _Record:
     request: RequestView | None = None  # stores: for the BlockStored events
 
 
+class _Running:
+    """A running request as the eager stores see it: its view (prompt block hashes), its
+    block ids so far, and the first block position not yet considered for a store."""
+
+    __slots__ = ("request", "block_ids", "upto")
+
+    def __init__(self, request: RequestView, block_ids: Iterable[int]) -> None:
+        self.request = request
+        self.block_ids = list(block_ids)
+        self.upto = 0
+
+
 class OffloadScheduler(SchedulerConnector):
     """Scheduler role of the offloading backend: lookup, placement, eviction, pinning.
 
@@ -488,10 +512,15 @@ class OffloadScheduler(SchedulerConnector):
     whose salted hashes are stored on every rank, block aligned, leaving one prompt token;
     ``(n, n > 0)``; no side effect. Loads are planned in ``update_state_after_alloc`` and
     pin their slots until the aggregated ``finished_recving`` (SCH-009, SCH-010). Stores are
-    planned in ``request_finished`` for the full computed blocks not stored or being stored,
+    planned for the full computed blocks not stored or being stored: with
+    ``store_when="computed"`` (the default), a running request's prompt blocks in the step
+    after the one that computed them (the workers copy them while the request runs, and
+    fence those copies when it is preempted, WRK-012), and in ``request_finished`` whatever
+    is left; with ``"finished"``, everything in ``request_finished``. Stores go
     into free slots (the lowest first, so a job's slots are usually consecutive) or slots
-    freed by evicting unpinned blocks; the free is delayed until the aggregated
-    ``finished_sending`` (SCH-016), when the blocks become stored and ``BlockStored``
+    freed by evicting unpinned blocks; a request with a store is finished with a delayed
+    free until the aggregated ``finished_sending`` (SCH-016), when all its blocks become
+    stored and ``BlockStored``
     events are queued (EVT-004, EVT-005). Evictions and failed loads queue ``BlockRemoved``.
 
     Each store job carries a fresh tag that the workers record per slot; a load carries the
@@ -517,7 +546,8 @@ class OffloadScheduler(SchedulerConnector):
         self._known: set[str] = set()
         self._asked: dict[str, int] = {}
         self._loading: dict[str, _Record] = {}
-        self._saving: dict[str, _Record] = {}
+        self._saving: dict[str, list[_Record]] = {}  # reported together at the finish
+        self._running: dict[str, _Running] = {}  # store_when="computed" only
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
         self._pending_aborts: list[str] = []
@@ -728,12 +758,14 @@ class OffloadScheduler(SchedulerConnector):
         self, request: RequestView, block_ids: tuple[int, ...]
     ) -> tuple[bool, Mapping[str, Any] | None]:
         """Plan the deferred store of the request's full computed blocks that are neither
-        stored nor being stored, and delay the free while it runs (SCH-015, SCH-016).
+        stored nor being stored, and delay the free while it, or a store planned while the
+        request ran, is unreported: ``(True, None)`` (SCH-015, SCH-016); else
+        ``(False, None)``.
 
         Slots come from the free list, else from evicting unpinned stored blocks (queued
         ``BlockRemoved``); blocks that find no slot are not stored. A request whose load is
-        still in flight is not stored: ``(False, None)``, and the next metadata names it in
-        ``aborted_loads`` (SCH-021).
+        still in flight is not stored, and the next metadata names it in ``aborted_loads``
+        (SCH-021).
 
         Raises:
             UnknownRequestError: the request was never seen or already finished (SCH-028).
@@ -749,14 +781,26 @@ class OffloadScheduler(SchedulerConnector):
         AllocatedBlocks.single(block_ids).check_budget(self._config.num_blocks)
         self._known.discard(rid)
         self._asked.pop(rid, None)
+        self._running.pop(rid, None)
+        stored_before = rid in self._saving  # eager stores: reported with the finish
         if rid in self._loading:
             self._pending_aborts.append(rid)
-            return False, None
-        block_ids = tuple(block_ids)
+            return stored_before, None
+        full = min(len(request.block_hashes), request.num_computed_tokens // self._block_size,
+                   len(block_ids))
+        planned = self._plan_store(request, tuple(block_ids), 0, full)
+        return planned or stored_before, None
+
+    def _plan_store(
+        self, request: RequestView, block_ids: Sequence[int], start: int, full: int
+    ) -> bool:
+        """Plan a store of the request's blocks at positions ``[start, full)`` that are
+        neither stored nor being stored; True if one was planned."""
+        rid = request.request_id
         keys = request.block_hashes
-        full = min(len(keys), request.num_computed_tokens // self._block_size, len(block_ids))
         index, storing = self._index, self._storing
-        positions = [i for i in range(full) if keys[i] not in index and keys[i] not in storing]
+        positions = [i for i in range(start, full)
+                     if keys[i] not in index and keys[i] not in storing]
         new_keys = [keys[i] for i in positions]
         if len(set(new_keys)) != len(new_keys):  # a block repeated inside the request
             seen: set[bytes] = set()
@@ -776,7 +820,7 @@ class OffloadScheduler(SchedulerConnector):
             del positions[len(slots):]
             del new_keys[len(slots):]
         if not positions:
-            return False, None
+            return False
         tag = self._next_tag
         self._next_tag += 1
         job = TransferJob._build(
@@ -785,9 +829,39 @@ class OffloadScheduler(SchedulerConnector):
         )
         self._pending_stores.append(job)
         self._storing.update(new_keys)
-        self._saving[rid] = _Record(job, tuple(new_keys), tuple(positions), request)
+        record = _Record(job, tuple(new_keys), tuple(positions), request)
+        self._saving.setdefault(rid, []).append(record)
         self._counters["miss_blocks"] += len(positions)
-        return True, None
+        return True
+
+    def _store_running(self, scheduler_output: SchedulerOutputView) -> None:
+        """``store_when="computed"``: plan the stores of the scheduled requests' full
+        prompt blocks that earlier steps computed (their forwards ran before this step's
+        transfers start, and a running request's full blocks are never written again)."""
+        running = self._running
+        for rid in scheduler_output.preempted_req_ids:
+            running.pop(rid, None)  # blocks freed; a resumed request comes back as new
+        bs = self._block_size
+        todo: list[tuple[_Running, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.request_id in self._known:
+                r = running[new.request_id] = _Running(new.request, new.blocks.block_ids(0))
+                todo.append((r, new.num_computed_tokens))
+        for cached in scheduler_output.scheduled_cached_reqs:
+            r_or_none = running.get(cached.request_id)
+            if r_or_none is None:
+                continue
+            if cached.resumed_from_preemption:  # its blocks were replaced
+                r_or_none.block_ids = list(cached.new_blocks.block_ids(0))
+                r_or_none.upto = 0
+            else:
+                r_or_none.block_ids.extend(cached.new_blocks.block_ids(0))
+            todo.append((r_or_none, cached.num_computed_tokens))
+        for r, computed in todo:
+            full = min(len(r.request.block_hashes), computed // bs, len(r.block_ids))
+            if full > r.upto:
+                start, r.upto = r.upto, full
+                self._plan_store(r.request, r.block_ids, start, full)
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -799,6 +873,8 @@ class OffloadScheduler(SchedulerConnector):
                 f"scheduler_output must be a SchedulerOutputView, got "
                 f"{type(scheduler_output).__name__}", clause="ERR-002",
             )
+        if self._settings.store_when == "computed":
+            self._store_running(scheduler_output)
         meta = OffloadMetadata(
             loads=tuple(self._pending_loads), stores=tuple(self._pending_stores),
             aborted_loads=tuple(self._pending_aborts),
@@ -849,21 +925,21 @@ class OffloadScheduler(SchedulerConnector):
         meta = output.worker_metadata
         failed_stores = meta.request_ids if isinstance(meta, FailedStores) else frozenset()
         for rid in sorted(output.finished_sending):
-            record = self._saving.pop(rid)
-            job = record.job
-            self._storing.difference_update(record.keys)
-            if rid in failed_stores:  # never advertised, never matched: slots back
+            for record in self._saving.pop(rid):
+                job = record.job
+                self._storing.difference_update(record.keys)
+                if rid in failed_stores:  # never advertised, never matched: slots back
+                    for slot in job.slots:
+                        self._release_slot(slot)
+                    self._counters["store_failures"] += len(job)
+                    continue
+                tag = job.tags[0]
+                self._index.update(zip(record.keys, job.slots))
+                slot_tag = self._slot_tag
                 for slot in job.slots:
-                    self._release_slot(slot)
-                self._counters["store_failures"] += len(job)
-                continue
-            tag = job.tags[0]
-            self._index.update(zip(record.keys, job.slots))
-            slot_tag = self._slot_tag
-            for slot in job.slots:
-                slot_tag[slot] = tag
-            insert_many(record.keys)
-            self._events.append(record)  # its BlockStored events, built by take_events
+                    slot_tag[slot] = tag
+                insert_many(record.keys)
+                self._events.append(record)  # its BlockStored events, built by take_events
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the ``BlockStored`` / ``BlockRemoved`` events since the last call, once
@@ -880,7 +956,7 @@ class OffloadScheduler(SchedulerConnector):
     def shutdown(self) -> None:
         """Forget every request, pending job and stored block; idempotent (SCH-027)."""
         for state in (
-            self._known, self._asked, self._loading, self._saving, self._storing,
+            self._known, self._asked, self._loading, self._saving, self._storing, self._running,
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
             self._index, self._pinning, self._zombies,
         ):

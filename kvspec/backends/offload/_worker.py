@@ -3,8 +3,11 @@
 One background thread per worker (a daemon :class:`~._runner.Runner`) runs the step's stores
 and loads in submission order, each as one vectorised gather/scatter
 (:class:`~kvspec.backends.offload._pool.HostPool`). Stores read the engine's blocks in the
-background: the engine holds them by a delayed free until ``finished_sending`` (SCH-016), so
-``wait_for_save`` returns at once (WRK-007). Each slot remembers the tag of its last
+background: a running request holds its blocks, a finished one holds them by a delayed free
+until ``finished_sending`` (SCH-016), and ``handle_preemptions`` waits for (or stops) the
+copies of preempted requests before their blocks are reused (WRK-012), so ``wait_for_save``
+returns at once (WRK-007). A request's stores are reported together, in ``finished_sending``
+once it finished and all of them ended (WRK-010). Each slot remembers the tag of its last
 successful store; a load whose slot holds another tag (evicted, overwritten, a failed
 store) or an injected fault fails its blocks: the request is reported in
 ``finished_recving`` and ``failed_recving`` with those block ids invalid (WRK-011).
@@ -114,7 +117,9 @@ class OffloadWorker(WorkerConnector):
         self._closing = threading.Event()
         self._closed = False
         self._loads: dict[str, _Job] = {}
-        self._stores: dict[str, _Job] = {}
+        self._stores: dict[str, list[_Job]] = {}  # each request's unfinished store jobs
+        self._finishing: set[str] = set()  # finished requests whose stores still run
+        self._store_failed: set[str] = set()  # a store of the request failed on this rank
         self._failed: frozenset[str] = frozenset()
         self._failed_stores: set[str] = set()
         self._invalid: frozenset[int] = frozenset()
@@ -198,10 +203,13 @@ class OffloadWorker(WorkerConnector):
         pool, job = self.pool, j.job
         if j.future is None or j.future.done():
             return
-        if pool is None or self._closing.is_set() or j.cancelled.is_set():
+        if not j.lock.acquire(timeout=_LOCK_TIMEOUT_S):  # a fence waits on it (WRK-012)
             self._fail_store(j)
             return
         try:
+            if pool is None or self._closing.is_set() or j.cancelled.is_set():
+                self._fail_store(j)
+                return
             plan = pool.plan(job.block_ids[start:end], job.slots[start:end])
             self._copy(pool, plan, True, None)
         except (KVSpecError, RuntimeError, ValueError) as e:
@@ -209,6 +217,8 @@ class OffloadWorker(WorkerConnector):
                          job.request_id, str(e))
             self._fail_store(j)
             return
+        finally:
+            j.lock.release()
         self._stored(j, start, end)
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
@@ -306,10 +316,9 @@ class OffloadWorker(WorkerConnector):
         assert pool is not None
         plans = []
         for job in (*meta.loads, *meta.stores):
-            if job.request_id in (self._loads if job.is_load else self._stores):
+            if job.is_load and job.request_id in self._loads:
                 raise InvalidArgumentError(
-                    f"request {job.request_id!r} already has a transfer of this direction in "
-                    "flight", clause="SCH-013",
+                    f"request {job.request_id!r} already has a load in flight", clause="SCH-013",
                 )
             plans.append(self._plan(pool, job))  # range checks (LAY-012) happen here
         event = None
@@ -331,7 +340,10 @@ class OffloadWorker(WorkerConnector):
                 self._save_queue.append([j, 0])
             else:
                 j.future = executor.submit(self._run, j, event)
-            (self._loads if job.is_load else self._stores)[job.request_id] = j
+            if job.is_load:
+                self._loads[job.request_id] = j
+            else:
+                self._stores.setdefault(job.request_id, []).append(j)
 
     def _wedged(self) -> _Job | None:
         """A timed-out job whose copy still runs (the background thread is stuck in it),
@@ -523,9 +535,10 @@ class OffloadWorker(WorkerConnector):
     def get_finished(
         self, finished_req_ids: frozenset[str]
     ) -> tuple[frozenset[str], frozenset[str]]:
-        """Return the stores (sending) and loads (recving) completed since the last call,
-        each once (WRK-009, WRK-010); failed or timed-out loads count as completed (WRK-011,
-        WRK-014). A failed store is still reported sending (its slot stays invalid)."""
+        """Return the finished requests whose stores all completed (sending) and the loads
+        (recving) completed since the last call, each once (WRK-009, WRK-010); failed or
+        timed-out loads count as completed (WRK-011, WRK-014). A failed store is still
+        reported sending, and named in the worker metadata (its slots stay invalid)."""
         now = time.monotonic()
         sending: set[str] = set()
         recving: set[str] = set()
@@ -541,13 +554,25 @@ class OffloadWorker(WorkerConnector):
             if bad:
                 failed.add(rid)
                 invalid.update(bad)
-        for rid, j in list(self._stores.items()):
-            bad = self._outcome(j, now)
-            if bad is None:
+        # A request's stores (those planned while it ran and the last one) are reported
+        # together, once it finished (WRK-010) and all of them ended.
+        self._finishing.update(r for r in finished_req_ids if r in self._stores)
+        for rid, jobs in list(self._stores.items()):
+            running = []
+            for j in jobs:
+                bad = self._outcome(j, now)
+                if bad is None:
+                    running.append(j)
+                elif bad:
+                    self._store_failed.add(rid)
+            self._stores[rid] = running
+            if running or rid not in self._finishing:
                 continue
             del self._stores[rid]
+            self._finishing.discard(rid)
             sending.add(rid)
-            if bad:  # told to the scheduler role, which then never advertises it
+            if rid in self._store_failed:  # told to the scheduler role: never advertised
+                self._store_failed.discard(rid)
                 self._failed_stores.add(rid)
         self._failed = frozenset(failed)
         self._invalid = frozenset(invalid)
@@ -630,7 +655,7 @@ class OffloadWorker(WorkerConnector):
             self._slot_tags[slot] = -1
         self._count(store_failures=len(j.job))
         if j.future is not None and not j.future.done():
-            j.future.set_result(())  # reported sending; its slots stay invalid
+            j.future.set_result(j.job.block_ids)  # reported failed; its slots stay invalid
 
     def _to_background(self, parts: list[tuple[_Job, int, int]]) -> None:
         executor = self._executor
@@ -645,8 +670,11 @@ class OffloadWorker(WorkerConnector):
         cancel those still running (WRK-012, WRK-014). They are reported as usual. While a
         stuck copy wedges the worker, nothing queued behind it can run: cancelled at once."""
         for rid in preempted_req_ids:
-            for j in (self._loads.get(rid), self._stores.get(rid)):
-                if j is None or j.future is None:
+            for j in (self._loads.get(rid), *self._stores.get(rid, ())):
+                if j is None or j.future is None or j.future.done():
+                    continue
+                if self._stage is not None and not j.job.is_load:
+                    self._fence_staged(j)
                     continue
                 if self._wedged() is not None:
                     self._cancel(j)
@@ -657,6 +685,17 @@ class OffloadWorker(WorkerConnector):
                     self._cancel(j)
                 except Exception:  # reported as failed by get_finished
                     pass
+
+    def _fence_staged(self, j: _Job) -> None:
+        """Stop a store queued for the per-layer hooks (the forwards that would gather it
+        come after the preempted blocks are reused): no later range starts, and a range the
+        background thread copies now is waited for, up to the job's deadline."""
+        j.cancelled.set()
+        if j.lock.acquire(timeout=max(0.0, j.deadline - time.monotonic())):
+            j.lock.release()
+        else:
+            self._stuck.append(j)
+        self._fail_store(j)
 
     def shutdown(self) -> None:
         """Cancel queued work, wait a bounded time for a running copy (not at all for one
@@ -675,7 +714,7 @@ class OffloadWorker(WorkerConnector):
         self._staged = []
         if runner is not None:
             now = time.monotonic()
-            jobs = (*self._loads.values(), *self._stores.values())
+            jobs = (*self._loads.values(), *(j for js in self._stores.values() for j in js))
             for j in jobs:
                 if j.future is not None:
                     j.future.cancel()  # those not started; the running one goes on
@@ -689,6 +728,8 @@ class OffloadWorker(WorkerConnector):
                            "copy of request " + stuck.job.request_id if stuck else "a copy")
         self._loads.clear()
         self._stores.clear()
+        self._finishing.clear()
+        self._store_failed.clear()
         self._stuck = []
         if self._stage is not None:
             self._stage.release()

@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import struct
+import time
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -37,6 +38,9 @@ from kvspec.protocols import (
 from .shared_storage import (
     HANDOFF_PARAM,
     LoadJob,
+    SaveJob,
+    _Job,
+    _SaveRecord,
     SharedStorageConnector,
     SharedStorageMetadata,
     SharedStorageScheduler,
@@ -53,6 +57,7 @@ __all__ = [
     "CrashingConnector",
     "DoubleReportConnector",
     "DropsAbortedRecvConnector",
+    "EagerSavesConnector",
     "FullPromptHitConnector",
     "HidesFailedLoadsConnector",
     "ImpureMatchConnector",
@@ -64,6 +69,7 @@ __all__ = [
     "PickledMetadataConnector",
     "ReadAfterFreeConnector",
     "UncheckedParamsConnector",
+    "UnfencedSavesConnector",
     "UnknownReportConnector",
 ]
 
@@ -550,6 +556,166 @@ class CrashingConnector(BrokenConnector):
     scheduler_class = _CrashingScheduler
 
 
+# ------------------------------------------------------------- saves while running
+
+
+class _EagerSavesScheduler(SharedStorageScheduler):
+    """Also saves each running request's prompt blocks in the step after the one that
+    computed them (``SaveJob.report`` False: never reported; marked stored once every
+    rank's file exists), one such save in flight per request."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._running: dict[str, tuple[RequestView, list[int]]] = {}
+        self._eager: dict[str, tuple[str, ...]] = {}  # request -> keys being saved
+
+    def _mark_eager_written(self) -> None:
+        ranks = range(self._config.world_size)
+        for rid, keys in list(self._eager.items()):
+            if all(os.path.exists(block_path(self._dir, k, r)) for k in keys for r in ranks):
+                del self._eager[rid]
+                self._mark_done(self._unreported.pop(rid))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        self._mark_eager_written()
+        for rid in scheduler_output.preempted_req_ids:
+            self._running.pop(rid, None)
+        todo: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.request_id in self._known:
+                self._running[new.request_id] = (new.request, list(new.blocks.block_ids(0)))
+                todo.append((new.request_id, new.num_computed_tokens))
+        for cached in scheduler_output.scheduled_cached_reqs:
+            if cached.request_id in self._running:
+                self._running[cached.request_id][1].extend(cached.new_blocks.block_ids(0))
+                todo.append((cached.request_id, cached.num_computed_tokens))
+        for rid, computed in todo:
+            if rid in self._eager or rid in self._unreported:
+                continue
+            request, ids = self._running[rid]
+            keys = self._block_keys(request)
+            full = min(len(keys), computed // self._block_size, len(ids))
+            positions = [i for i in range(full)
+                         if keys[i] not in self._saving_keys and not self._is_stored(keys[i])]
+            if positions:
+                saved = tuple(keys[i] for i in positions)
+                self._pending_saves.append(SaveJob(
+                    rid, tuple((ids[i], keys[i]) for i in positions), report=False))
+                self._saving_keys.update(saved)
+                self._eager[rid] = saved
+                self._unreported[rid] = _SaveRecord(
+                    saved, self._stored_events(request, keys, positions))
+        return super().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, object] | None]:
+        rid = request.request_id
+        self._running.pop(rid, None)
+        delay, params = super().request_finished(request, block_ids)
+        if rid in self._eager and not delay and rid not in self._loading:
+            # Hold the blocks until a reported save queued behind the running one ends.
+            keys = self._block_keys(request)
+            pairs = tuple((block_ids[i], keys[i]) for i in range(len(block_ids))
+                          if i < len(keys) and keys[i] in self._eager[rid])
+            if pairs:
+                self._pending_saves.append(SaveJob(rid, pairs, report=True))
+                self._saving[rid] = _SaveRecord((), ())
+                return True, params
+        return delay, params
+
+
+class _EagerSavesWorker(SharedStorageWorker):
+    """Runs the unreported saves on the background thread and reads their blocks there,
+    when it writes them (no snapshot), and fences them in ``handle_preemptions``."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._eager: dict[str, list[_Job]] = {}
+
+    def _start(self, meta: SharedStorageMetadata) -> None:
+        eager = [s for s in meta.saves if not s.report]
+        super()._start(attrs.evolve(meta, saves=tuple(s for s in meta.saves if s.report)))
+        pool = self._pool
+        if not eager or pool is None:
+            return
+        for save in eager:
+            j = _Job(save.request_id, tuple(b for b, _ in save.blocks),
+                     self._settings.io_timeout_s, False)
+            j.future = pool.submit(self._write_lazily, j, tuple(k for _, k in save.blocks))
+            self._eager.setdefault(save.request_id, []).append(j)
+
+    def _write_lazily(self, job: _Job, keys: tuple[str, ...]) -> tuple[int, ...]:
+        if self._faults.delay_s:
+            self._closing.wait(self._faults.delay_s)  # the transfer is slow to start
+        with job.lock:
+            if self._closing.is_set() or job.cancelled.is_set():
+                return job.block_ids
+            snapshot = self._snapshot(job.block_ids)  # the blocks are read only now
+        return self._write_blocks(job, keys, snapshot)
+
+    def _fence(self, rid: str) -> None:
+        for job in self._eager.pop(rid, ()):
+            job.cancelled.set()  # not started: never reads; reading: waited for
+            if job.lock.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
+                job.lock.release()
+
+    def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
+        super().handle_preemptions(preempted_req_ids)
+        for rid in preempted_req_ids:
+            self._fence(rid)
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        for rid, jobs in list(self._eager.items()):
+            jobs[:] = [j for j in jobs if j.future is not None and not j.future.done()]
+            if not jobs:
+                del self._eager[rid]
+        return super().get_finished(finished_req_ids)
+
+    def shutdown(self) -> None:
+        for jobs in self._eager.values():
+            for j in jobs:
+                j.cancelled.set()
+        self._eager.clear()
+        super().shutdown()
+
+
+class EagerSavesConnector(SharedStorageConnector):
+    """Not broken: the shared-storage connector that also saves running requests' blocks,
+    reading them on its background thread while the request runs, and fences those reads
+    when the request is preempted (WRK-012). The control of
+    :class:`UnfencedSavesConnector`."""
+
+    scheduler_class = _EagerSavesScheduler
+    worker_class = _EagerSavesWorker
+
+    @property
+    def name(self) -> str:
+        """``"eager-saves"``."""
+        return "eager-saves"
+
+
+class _UnfencedSavesWorker(_EagerSavesWorker):
+    """Leaves the running saves of preempted requests running (WRK-012)."""
+
+    def _fence(self, rid: str) -> None:
+        return None  # the slip: the saves of a preempted request go on reading
+
+
+class UnfencedSavesConnector(BrokenConnector):
+    """Breaks WRK-012: as :class:`EagerSavesConnector`, but ``handle_preemptions`` does
+    not wait for the running requests' saves, which read the preempted blocks after the
+    engine reused them. Caught when a save is in flight at a preemption: the fault seam's
+    slow transfers make sure it is."""
+
+    violates = "WRK-012"
+    selection = "test_preempted_requests_transfers_are_fenced"
+    scheduler_class = _EagerSavesScheduler
+    worker_class = _UnfencedSavesWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
@@ -571,6 +737,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         CrashingConnector,
         HidesFailedLoadsConnector,
         LoadsOverLocalHitConnector,
+        UnfencedSavesConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

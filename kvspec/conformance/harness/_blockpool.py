@@ -44,6 +44,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._held: deque[tuple[float, int]] = deque()  # (free from, block), in order
 
     @property
     def num_free(self) -> int:
@@ -83,8 +84,20 @@ class BlockPool:
             out.append(b)
         return out
 
-    def free(self, blocks: list[int]) -> list[int]:
-        """Drop one reference per block; return the blocks that became free and uncached."""
+    @property
+    def holding(self) -> bool:
+        """True while freed blocks are held back from allocation (:meth:`free`)."""
+        return bool(self._held)
+
+    def release_held(self, now: float) -> None:
+        """Make the blocks held until ``now`` or earlier allocatable."""
+        while self._held and self._held[0][0] <= now:
+            self._free.append(self._held.popleft()[1])
+
+    def free(self, blocks: list[int], *, hold_until: float | None = None) -> list[int]:
+        """Drop one reference per block; return the blocks that became free and uncached.
+        With ``hold_until`` (a ``time.monotonic()`` value), those are not allocated before
+        :meth:`release_held` is called with that time or later."""
         released: list[int] = []
         for b in reversed(blocks):
             if self._ref[b] <= 0:
@@ -93,8 +106,11 @@ class BlockPool:
             if self._ref[b] == 0:
                 if b in self._hash_of:
                     self._evictable[b] = None
-                else:
+                elif hold_until is None:
                     self._free.append(b)
+                    released.append(b)
+                else:
+                    self._held.append((hold_until, b))
                     released.append(b)
         return released
 

@@ -99,6 +99,10 @@ class WorkerRuntime:
         self.graphs: dict[int, list[CapturedGraph]] = {}
         self.capturer = make_capturer("cpu", warmup=0) if self.mode is not GraphMode.NONE else None
         self.hook_calls = 0
+        # Blocks taken from preempted requests -> the KV hashes the engine wrote into them
+        # since: a load that delivers one of those read the block after handle_preemptions
+        # returned (WRK-012), though the poison was overwritten by then.
+        self._reused: dict[int, list[int]] = {}
         self._closed = False
         self._forward(ForwardKind.PROFILE, self.t_max)  # before registration: no hook (DRY-002)
 
@@ -120,6 +124,9 @@ class WorkerRuntime:
             self._poison(b, FREED_POISON)
         for b in msg.get("poison_preempted", ()):
             self._poison(b, PREEMPTED_POISON)
+            self._reused[b] = self._reused.pop(b, [])  # the most recent last
+            if len(self._reused) > _WATCHED_BLOCKS:
+                del self._reused[next(iter(self._reused))]
         for b in msg["poison_alloc"]:
             self._poison(b, ALLOC_POISON)
         reqs = msg["reqs"]
@@ -298,6 +305,9 @@ class WorkerRuntime:
             for p in range(s, e):
                 slot_b.append(blocks[p // bs])
                 slot_o.append(p % bs)
+                written = self._reused.get(blocks[p // bs])
+                if written is not None and len(written) < _WATCHED_WRITES:
+                    written.append(hashes[p])
             reads.append((r, hashes, len(read_b)))
             for p in range(s):
                 read_b.append(blocks[p // bs])
@@ -367,6 +377,16 @@ class WorkerRuntime:
                     "handle_preemptions returned: a transfer still read a preempted request's "
                     "blocks", "expected": "handle_preemptions returns only once no transfer "
                     "reads or writes the preempted requests' blocks"}
+        if loaded:
+            for block_id, written in self._reused.items():
+                if any(torch.equal(got, self.model.kv([h], layer, self.heads)[0].to(got.dtype))
+                       for h in written):
+                    return {"clause": "WRK-012", "observed": f"{where} was loaded with KV the "
+                            f"engine wrote into block {block_id} after taking it from a "
+                            "preempted request: a transfer read the preempted request's "
+                            "blocks after handle_preemptions returned", "expected":
+                            "handle_preemptions returns only once no transfer reads or "
+                            "writes the preempted requests' blocks"}
         if loaded and bool((got == ALLOC_POISON).all()):
             clause = "WRK-005" if self.caps.layer_hooks is HookGraphMode.EAGER else "WRK-011"
             return {"clause": clause, "observed": f"{where} was never written although its load "
@@ -386,6 +406,12 @@ class WorkerRuntime:
         return {"clause": "SCH-010", "observed": f"{where} was computed by the engine and later "
                 f"overwritten (got {got.flatten()[:6].tolist()}...)", "expected": "a connector "
                 "writes only the blocks it was given to load"}
+
+
+_WATCHED_BLOCKS = 256
+"""The most recently preempted blocks whose later contents attribution remembers."""
+_WATCHED_WRITES = 64
+"""Writes remembered per watched block."""
 
 
 def encode_meta(meta: ConnectorMetadata) -> str:

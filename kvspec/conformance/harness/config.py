@@ -59,6 +59,11 @@ class HarnessConfig:
         async_scheduling: Build step N+1's metadata before step N's output arrives (SCH-014).
         prefix_caching: The engine's own prefix cache.
         max_tokens_per_step: Token budget of one step (chunked prefill).
+        preempted_hold_s: Seconds a preempted request's freed blocks stay poisoned before
+            the engine allocates them again (0, the default: at once, as engines do). A
+            connector whose transfer reads them after ``handle_preemptions`` returned then
+            reads the poison, which the byte checks name (WRK-012), however the blocks
+            would have been reused.
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
@@ -91,6 +96,7 @@ class HarnessConfig:
     async_scheduling: bool = False
     prefix_caching: bool = True
     max_tokens_per_step: int = 32
+    preempted_hold_s: float = 0.0
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
     hook_budget_s: float = 2.0
@@ -124,6 +130,10 @@ class HarnessConfig:
             raise InvalidArgumentError(f"role must be a TransferRole, got {self.role!r}")
         if not isinstance(self.graph_mode, GraphMode):
             raise InvalidArgumentError(f"graph_mode must be a GraphMode, got {self.graph_mode!r}")
+        hold = self.preempted_hold_s
+        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 60:
+            raise InvalidArgumentError(
+                f"HarnessConfig.preempted_hold_s must be seconds in [0, 60], got {hold!r}")
         if self.num_blocks < 2:
             raise InvalidArgumentError("num_blocks must be >= 2: the last block pads dummy runs")
 

@@ -397,8 +397,8 @@ class Engine:
         else:
             self._process(outputs, violations, plans)
         self._check_awaited()
-        if not plans and self.awaited:
-            time.sleep(0.001)  # let the connector's transfers progress
+        if not plans and (self.awaited or self.pool.holding):
+            time.sleep(0.001)  # let the connector's transfers (or held blocks) progress
 
     @staticmethod
     def _take(items: list[int]) -> list[int]:
@@ -408,6 +408,8 @@ class Engine:
 
     def _schedule(self) -> tuple[SchedulerOutputView, list[dict[str, Any]]]:
         budget = self.config.max_tokens_per_step
+        if self.pool.holding:
+            self.pool.release_held(time.monotonic())
         self._sync_loads = False  # WRK-004: does this step compute a request loaded synchronously?
         new: list[NewRequestView] = []
         cached: list[CachedRequestView] = []
@@ -545,7 +547,9 @@ class Engine:
 
     def _preempt(self, r: _Req, preempted: list[str]) -> None:
         self.running.remove(r)
-        self._poison_preempted += self.pool.free(r.blocks)
+        hold = self.config.preempted_hold_s
+        self._poison_preempted += self.pool.free(
+            r.blocks, hold_until=time.monotonic() + hold if hold else None)
         r.blocks, r.num_computed, r.executed, r.ext, r.recv_done = [], 0, 0, (0, 0), False
         self._transition(r, _S.PREEMPTED)
         self._transition(r, _S.WAITING)

@@ -29,6 +29,9 @@ __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not the
 
 _PROMPTS = tuple(tuple(range(100 * i, 100 * i + 13 + 4 * i)) for i in range(4))
 
+_GROWING = tuple(tuple(range(50 * i, 50 * i + 10)) for i in range(2))
+"""Two prompts of 10 tokens that decode 14 more: 6 blocks of 4 each, in an engine of 11."""
+
 
 def _passes(factory: Any, tmp: Path, plan: FaultPlan, **overrides: Any
             ) -> tuple[RunResult, RunResult]:
@@ -121,3 +124,25 @@ class TestFaults(ConformanceSuite):
             result = engine.run(attrs.evolve(wl, name=f"{wl.name} (slow transfers)"),
                                 max_steps=50_000)
         assert set(result.finished) | set(result.aborted) == {r.request_id for r in wl.requests}
+
+    @pytest.mark.kvspec_clause("WRK-012", "SCH-022", "WRK-013")
+    @pytest.mark.kvspec_requires("fault_injection")
+    def test_preempted_requests_transfers_are_fenced(self, tmp_path: Path) -> None:
+        """Two requests decode into more blocks than the engine has, so one is preempted
+        while running, and every transfer stays in flight for 0.15 s: a connector that
+        stores a running request's blocks (as vLLM's offloading connector does) still has
+        that store in flight. The engine keeps the preempted blocks poisoned for 0.2 s
+        after ``handle_preemptions`` returned (then reuses them), so a store that still
+        read them stores the poison (or another request's KV), which the same prompts,
+        served again, load: the byte checks name WRK-012."""
+        cfg = config_for(self.capabilities, prefix_caching=False, num_blocks=12,
+                         preempted_hold_s=0.2,
+                         extra={FAULTS_KEY: FaultPlan(delay_s=0.15).to_plain()})
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
+            first = engine.run(Workload(
+                [RequestSpec(f"grow{i}", p, max_new_tokens=14) for i, p in enumerate(_GROWING)],
+                name="running requests preempted with transfers in flight"), max_steps=50_000)
+            engine.run(Workload(
+                [RequestSpec(f"again{i}", p, max_new_tokens=2) for i, p in enumerate(_GROWING)],
+                name="the same prompts again"), max_steps=50_000)
+        assert first.preemptions, "harness: the workload preempted no request"
