@@ -49,7 +49,10 @@ class SchedulerConnector(Protocol):
         boundary (SCH-007); only KV the connector can deliver now counts (SCH-006), keyed by
         salt and LoRA identity (SCH-020). ``load_async`` is True if the KV arrives between
         steps (the request then waits for ``finished_recving``, SCH-023); it must be False
-        when ``count`` is 0 or None (SCH-004).
+        when ``count`` is 0 or None (SCH-004). For the same stored data the answer is the
+        same whether the engine schedules synchronously or asynchronously (SCH-014): what
+        a reported store makes matchable is matchable once ``update_connector_output``
+        returns, not only after the next ``build_connector_meta``.
 
         Must never: change state another hook can observe, start a load or pin anything
         (SCH-001).

@@ -77,7 +77,7 @@ CLAUSES: tuple[Clause, ...] = (
            "Describing a load twice loads it twice, and a save twice stores it twice and double-reports it.",
            (V028_033,)),
     Clause("SCH-014", MUST, "Async scheduling ordering",
-           "Under async scheduling the engine MAY call build_connector_meta for step N+1 before update_connector_output for step N, and the connector MUST NOT assume that the output of the previous step has arrived.",
+           "Under async scheduling the engine MAY call build_connector_meta for step N+1 before update_connector_output for step N, and the connector MUST NOT assume that the output of the previous step has arrived. For the same stored data, its matches MUST be the same under async and synchronous scheduling.",
            "Async scheduling overlaps scheduling with execution, so a connector that waits for step N's output deadlocks or reads stale state.",
            (V028_033, SEED004)),
     Clause("SCH-015", MUST, "request_finished is called once",
