@@ -591,6 +591,9 @@ class EngineConfigView:
         tp_size: Tensor-parallel ranks.
         pp_size: Pipeline-parallel ranks.
         extra: The connector's own configuration (vLLM's kv_connector_extra_config), plain data.
+        async_scheduling: The engine builds step N+1's metadata before step N's output
+            arrives (vLLM's ``scheduler_config.async_scheduling``, SCH-014). A connector
+            may adapt to it; its matches for the same stored data must not change (SCH-014).
     """
 
     engine_id: str = attrs.field(validator=_v_req_id)
@@ -601,6 +604,7 @@ class EngineConfigView:
     tp_size: int = attrs.field(default=1, validator=_v_positive)
     pp_size: int = attrs.field(default=1, validator=_v_positive)
     extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra)
+    async_scheduling: bool = attrs.field(default=False, validator=_is(bool))
 
     @property
     def world_size(self) -> int:

@@ -166,7 +166,7 @@ class HarnessConfig:
         return EngineConfigView(
             engine_id=self.engine_id, role=self.role, num_layers=self.num_layers,
             block_size=self.block_size, num_blocks=self.num_blocks, tp_size=self.tp_size,
-            extra={**self.extra, "kvspec.tmpdir": tmpdir},
+            extra={**self.extra, "kvspec.tmpdir": tmpdir}, async_scheduling=self.async_scheduling,
         )
 
     def to_plain(self) -> dict[str, Any]:
