@@ -137,3 +137,17 @@ def test_the_report_counts_each_tests_loads(pytester: pytest.Pytester) -> None:
             assert tally["loads"] >= 2 and tally["loaded_tokens"] == tally["matched_tokens"] > 0
         else:  # one request: nothing stored before it arrives
             assert tally == {"engines": 1, "loads": 0, "matched_tokens": 0, "loaded_tokens": 0}
+
+
+def test_a_byte_bug_outside_the_graphs_is_not_blamed_on_replay(pytester: pytest.Pytester) -> None:
+    """GRA-006 is for what a replay changes: a connector whose hooks are not in the graphs
+    (no per-layer hooks) and that corrupts loads fails the graph-mode tests with WRK-013,
+    the clause it breaks eagerly too."""
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        "--kvspec-conformance=kvspec.conformance.connectors.broken:CorruptLoadConnector",
+        f"--kvspec-report={report}", "-p", "no:cacheprovider", "-k", "TestGraphModes",
+    )
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    data = json.loads(report.read_text())
+    assert {cid for cid, row in data["clauses"].items() if row["fail"]} == {"WRK-013"}

@@ -49,6 +49,7 @@ from .shared_storage import (
 )
 
 __all__ = [
+    "AssumesNhdConnector",
     "AsyncZeroConnector",
     "AveragingStatsConnector",
     "BROKEN_CONNECTORS",
@@ -578,6 +579,30 @@ class PipelinedLookupConnector(BrokenConnector):
     scheduler_class = _PipelinedLookupScheduler
 
 
+class _AssumesNhdWorker(SharedStorageWorker):
+    """Copies loaded blocks in by address, as if every page were tokens x heads x channels
+    (vLLM's NHD), whatever the registered stride order (LAY-007)."""
+
+    def _copy_in(self, block: int, src: torch.Tensor) -> None:
+        for tensor, part in zip(self._tensors, src):
+            dst = self._block(tensor, block)
+            pages = [dst[i] for i in range(dst.shape[0])] if self._split else [dst]
+            parts = [part[i] for i in range(part.shape[0])] if self._split else [part]
+            for page, data in zip(pages, parts):
+                dense = torch.empty(page.shape, dtype=page.dtype).stride()
+                torch.as_strided(page, page.shape, dense, page.storage_offset()).copy_(data)
+
+
+class AssumesNhdConnector(BrokenConnector):
+    """Breaks LAY-007: loads write each page at the offsets of a dense tokens x heads x
+    channels page, ignoring the descriptor's stride order. Right under the NHD orders,
+    wrong (the right bytes, rearranged) under HND and the others."""
+
+    violates = "LAY-007"
+    selection = "test_every_accepted_layout"
+    worker_class = _AssumesNhdWorker
+
+
 # ------------------------------------------------------------- saves while running
 
 
@@ -761,6 +786,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         LoadsOverLocalHitConnector,
         UnfencedSavesConnector,
         PipelinedLookupConnector,
+        AssumesNhdConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

@@ -350,16 +350,25 @@ class WorkerRuntime:
                 bad = [p for p in bad if r["blocks"][p // bs] not in invalid]
                 if bad:
                     p = bad[0]
-                    v = self._attribute(r, hashes, p, layer, got[p], want[p])
-                    if kind is ForwardKind.REPLAY and v["clause"] in ("WRK-005", "WRK-011", "WRK-013"):
+                    v = self._attribute(r, hashes, p, layer, got, want)
+                    if (kind is ForwardKind.REPLAY and self._hooks_replayed
+                            and v["clause"] in ("WRK-005", "WRK-011", "WRK-013")):
                         v = {"clause": "GRA-006", "observed": v["observed"] + " in a replayed "
                              f"{self.mode.value} graph", "expected": "replay moving the same bytes "
                              "as the same step run eagerly (no decision frozen at capture, GRA-004)"}
                     return [v]
         return []
 
+    @property
+    def _hooks_replayed(self) -> bool:
+        """True when the connector's per-layer hooks are inside the replayed graphs (FULL
+        graphs, capturable hooks): only then can a replay change what they move (GRA-006).
+        Under PIECEWISE graphs, or without hooks, a wrong byte is the same bug as eagerly."""
+        return self.mode is GraphMode.FULL and self.caps.layer_hooks is HookGraphMode.CAPTURABLE
+
     def _attribute(self, r: Mapping[str, Any], hashes: list[int], pos: int, layer: int,
-                   got: torch.Tensor, want: torch.Tensor) -> dict[str, str]:
+                   got_all: torch.Tensor, want_all: torch.Tensor) -> dict[str, str]:
+        got, want = got_all[pos], want_all[pos]
         bs = self.config.block_size
         block_index, block = pos // bs, r["blocks"][pos // bs]
         ext_a, ext_b = r["ext"]
@@ -387,6 +396,16 @@ class WorkerRuntime:
                             "blocks after handle_preemptions returned", "expected":
                             "handle_preemptions returns only once no transfer reads or "
                             "writes the preempted requests' blocks"}
+        first, last = ext_a, min(ext_b, len(got_all))
+        loaded_got, loaded_want = got_all[first:last], want_all[first:last]
+        if loaded and torch.equal(loaded_got.flatten().sort().values,
+                                  loaded_want.flatten().sort().values):
+            return {"clause": "LAY-007", "observed": f"{where}: the blocks loaded for tokens "
+                    f"[{first}, {last}) hold exactly the expected values, at other offsets: "
+                    f"the connector wrote them for another layout than the registered "
+                    f"{self.layout.order.value} / {self.layout.packing.value} one",
+                    "expected": "byte offsets taken from the layout descriptor registered with "
+                    "the tensors (stride order, K/V packing, page pitch), nothing assumed"}
         if loaded and bool((got == ALLOC_POISON).all()):
             clause = "WRK-005" if self.caps.layer_hooks is HookGraphMode.EAGER else "WRK-011"
             return {"clause": clause, "observed": f"{where} was never written although its load "
