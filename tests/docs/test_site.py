@@ -148,3 +148,78 @@ def test_the_home_page_connector_is_clean_under_mypy_strict(tmp_path: Path) -> N
     out = subprocess.run([sys.executable, "-m", "mypy", "--strict", "conn.py"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ offline, in a browser
+
+BROWSER_ENV = "KVSPEC_REQUIRE_BROWSER"
+"""Set (CI sets it) to fail instead of skip when no headless Chromium is installed."""
+
+_DIAGRAM_PAGES = ("spec/state-machines.md", "explanation/graph-replay.md")
+
+
+def _chromium() -> str:
+    import shutil
+
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get(BROWSER_ENV):
+            pytest.fail(f"{BROWSER_ENV} is set but no chromium is installed (apt-get install "
+                        "chromium)")
+        pytest.skip("needs a headless Chromium (Debian: apt-get install chromium)")
+    return found
+
+
+def _headless(chromium: str, url: str, profile: Path, *extra: str) -> str:
+    """Load ``url`` in headless Chromium that can resolve no host but 127.0.0.1 (as on a
+    machine without internet) and return the DOM once the page's scripts settled."""
+    proc = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={profile}",
+         "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+         "--virtual-time-budget=20000", *extra, url],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_diagrams_render_offline_in_a_headless_browser(
+    site: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The state machines and the graph-replay diagram render with no network: Mermaid
+    ships with the site (docs/hooks/mermaid_offline.py). A diagram Mermaid cannot parse, or
+    a page that would need the CDN, leaves its ``<pre class="mermaid">`` source in place;
+    a rendered one is replaced by a ``<div class="mermaid">``. Screenshots of three pages are
+    left in the test's temporary directory."""
+    import functools
+    import http.server
+    import threading
+
+    chromium = _chromium()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.RequestHandlerClass.log_message = lambda *a, **k: None  # type: ignore[method-assign]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for source in _DIAGRAM_PAGES:
+            fences = (ROOT / "docs" / source).read_text().count("```mermaid")
+            assert fences, f"{source} has no diagram any more: update _DIAGRAM_PAGES"
+            url = f"{base}/{source.removesuffix('.md')}/"
+            dom = _headless(chromium, url, tmp_path / "profile", "--dump-dom")
+            assert "assets/javascripts/mermaid.min.js" in dom, "the site does not load its Mermaid"
+            assert dom.count('<pre class="mermaid"') == 0, (
+                f"{url}: a diagram was left as source (Mermaid missing or a parse error)")
+            assert dom.count('<div class="mermaid"') == fences, dom[-2000:]
+        for page in ("", "spec/state-machines/", "benchmarks/"):
+            shot = tmp_path / f"{page.strip('/').replace('/', '-') or 'home'}.png"
+            _headless(chromium, f"{base}/{page}", tmp_path / "profile",
+                      f"--screenshot={shot}", "--window-size=1280,1600",
+                      "--hide-scrollbars")
+            assert shot.stat().st_size > 10_000, f"{shot} looks empty"
+    finally:
+        server.shutdown()
+        server.server_close()
