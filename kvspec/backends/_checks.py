@@ -11,15 +11,15 @@ __all__ = ["check_blocks", "check_count", "check_output", "check_request",
 
 
 def check_blocks(blocks: object) -> AllocatedBlocks:
-    """``blocks`` if it is :class:`AllocatedBlocks`, else InvalidArgumentError."""
+    """``blocks`` if it is ``AllocatedBlocks``, else InvalidArgumentError."""
     return check_instance("blocks", blocks, AllocatedBlocks)
 
 
 def check_scheduler_output(value: object) -> SchedulerOutputView:
-    """``value`` if it is a :class:`SchedulerOutputView`, else InvalidArgumentError."""
+    """``value`` if it is a ``SchedulerOutputView``, else InvalidArgumentError."""
     return check_instance("scheduler_output", value, SchedulerOutputView)
 
 
 def check_output(value: object) -> KVConnectorOutput:
-    """``value`` if it is a :class:`KVConnectorOutput`, else InvalidArgumentError."""
+    """``value`` if it is a ``KVConnectorOutput``, else InvalidArgumentError."""
     return check_instance("output", value, KVConnectorOutput)

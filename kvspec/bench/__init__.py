@@ -1,8 +1,8 @@
 """Benchmarks of the project's backends, run with ``kvspec bench``.
 
-``kvspec bench offload`` (:mod:`kvspec.bench.offload`) measures the offload backend's
+``kvspec bench offload`` (``kvspec.bench.offload``) measures the offload backend's
 store and load copies against a same-run memory-copy ceiling. The package imports
-:mod:`kvspec.protocols` and :mod:`kvspec.backends` only, never the conformance suite; import
+``kvspec.protocols`` and ``kvspec.backends`` only, never the conformance suite; import
 the submodules directly (this package imports nothing heavy).
 """
 

@@ -1,6 +1,6 @@
 """The raw-NIXL anchor of ``kvspec bench nixl``: how fast NIXL itself moves KV blocks.
 
-:func:`measure_raw_nixl` moves ``num_blocks`` blocks of ``num_layers`` pages of
+``measure_raw_nixl`` moves ``num_blocks`` blocks of ``num_layers`` pages of
 ``page_bytes`` with one prepared NIXL READ between two agents (in one process, or with the
 producer in a child process), using the minimal descriptor list of two layouts of the same
 bytes:
@@ -44,7 +44,7 @@ _POLL_TIMEOUT: Final = 60.0
 
 @dataclass(frozen=True)
 class RawNixlResult:
-    """Medians of one :func:`measure_raw_nixl` run.
+    """Medians of one ``measure_raw_nixl`` run.
 
     Attributes:
         num_blocks: Blocks per transfer.

@@ -2,12 +2,12 @@
 
 For each point (stride order, page size) the benchmark measures, in one run:
 
-* **raw NIXL** (:func:`~kvspec.bench._nixl_raw.measure_raw_nixl`): one prepared READ of the
+* **raw NIXL** (``measure_raw_nixl``): one prepared READ of the
   same bytes between two agents with the minimal descriptor list of the point's layout
   family (one per block for block-outermost orders, one per layer and block otherwise),
   and the same-run ``memcpy`` of those bytes. The reading agent runs without NIXL's
   progress thread, as the connector's consumer ranks do (the thread busy-polls a core);
-* **the connector end to end**: a consumer :class:`~kvspec.backends.nixl.NixlWorker`
+* **the connector end to end**: a consumer ``NixlWorker``
   reading ``blocks`` blocks from a producer worker (two agents in this process, KV caches in
   the point's layout, remote blocks a fixed random permutation), from binding the step's
   metadata and ``start_load_kv`` (the load request) until ``get_finished`` reports the

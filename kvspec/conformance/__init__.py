@@ -11,7 +11,7 @@ There are three ways in, and they run the same tests:
    collects the suite modules of the installed package (in addition to ``testpaths`` when no
    path is given; paths and node ids given restrict collection as usual) and runs every
    suite test once per connector. It works under pytest-xdist (``-n``). Options are
-   described in :mod:`kvspec.conformance.plugin`.
+   described in ``kvspec.conformance.plugin``.
 
 2. **Subclassing**, inside a project's own test suite::
 
@@ -23,20 +23,20 @@ There are three ways in, and they run the same tests:
    creates one ``Test<Topic>`` class per suite topic, bound to that connector (its
    ``connector`` class attribute). The plugin still reports and applies ``--kvspec-xfail``.
 
-3. **From Python or the command line**: :func:`run_conformance` and
+3. **From Python or the command line**: ``run_conformance`` and
    ``kvspec conform [SPEC ...] [--profile full] [--report PATH] [--xfail PATH]
    [--write-xfail PATH] [-- pytest args]``; with no SPEC, ``kvspec conform`` certifies the
-   project's own connectors, :data:`DEFAULT_CONNECTORS`.
+   project's own connectors, ``DEFAULT_CONNECTORS``.
 
 A connector is named by a spec: ``"pkg.module:Name"``, a class, or a factory instance
-(:func:`load_factory`).
+(``load_factory``).
 
 Reports: a header line per connector (kvspec and spec versions, connector name, spec and
 capabilities), a table of pass / fail / skip / xfail counts per clause at the end, and with
 ``--kvspec-report`` a JSON file ``{kvspec_version, spec_version, connectors: [{spec, name,
 capabilities}], tests: [{nodeid, key, outcome, clauses, connector, duration, message}],
 clauses: {ID: {pass, fail, skip, xfail, level, title}}}``. A test that fails with a
-:class:`~kvspec.protocols.ContractViolation` is reported as ``clause SCH-005 (<title>) broken
+``ContractViolation`` is reported as ``clause SCH-005 (<title>) broken
 by <connector name>: observed: ...; expected: ...``, followed by the exception's optional
 ``reproduce`` text.
 

@@ -1,7 +1,7 @@
-"""Capability names into checks; re-exports the factory loader of :mod:`kvspec.protocols`.
+"""Capability names into checks; re-exports the factory loader of ``kvspec.protocols``.
 
 A connector under test is named by a *spec* (``"pkg.module:Name"``, a class or an instance);
-:func:`load_factory` and :func:`factory_spec` live in ``kvspec.protocols._loading`` because
+``load_factory`` and ``factory_spec`` live in ``kvspec.protocols._loading`` because
 engines (the vLLM adapter) load factories the same way.
 """
 
@@ -29,9 +29,9 @@ def _bool_fields() -> tuple[str, ...]:
 
 
 def capability_names() -> tuple[str, ...]:
-    """Every name :func:`has_capability` and ``@pytest.mark.kvspec_requires`` accept.
+    """Every name ``has_capability`` and ``@pytest.mark.kvspec_requires`` accept.
 
-    They are the bool fields of :class:`~kvspec.protocols.Capabilities` (true means the
+    They are the bool fields of ``Capabilities`` (true means the
     connector has the capability) plus the derived names ``layer_hooks`` (per-layer hooks),
     ``capturable_hooks``, ``eager_hooks``, ``reports_failures`` (failure_reporting is
     INVALID_BLOCKS) and ``multiple_kv_cache_groups`` (kv_cache_groups > 1).
@@ -42,7 +42,7 @@ def capability_names() -> tuple[str, ...]:
 def has_capability(caps: Capabilities, name: str) -> bool:
     """Say whether a declaration includes the named capability.
 
-    See :func:`capability_names` for the names. This is the one place that maps names to
+    See ``capability_names`` for the names. This is the one place that maps names to
     declarations: the suite's ``kvspec_requires`` marker uses it.
 
     Raises:

@@ -1,11 +1,11 @@
 """Recording a conformance run: header, per-clause summary, JSON report, expected failures.
 
-One :class:`Recorder` per pytest config, registered by the plugin. It stays inert (and
+One ``Recorder`` per pytest config, registered by the plugin. It stays inert (and
 imports nothing heavy) in sessions that hold no suite test and no ``kvspec_clause`` marker.
 
 Under pytest-xdist the workers collect and run the tests and the controller writes the
 outputs: each test report of a tracked test carries what the controller needs (the
-collection-time data and the violation) as the plain-data attribute :data:`REPORT_ATTR`,
+collection-time data and the violation) as the plain-data attribute ``REPORT_ATTR``,
 which xdist serializes with the report.
 """
 
@@ -73,12 +73,12 @@ class ConnectorInfo:
         return dict(self.declared)
 
     def plain(self) -> dict[str, object]:
-        """Spec, name and declaration as plain data (:meth:`from_plain` reads it back)."""
+        """Spec, name and declaration as plain data (``from_plain`` reads it back)."""
         return {"spec": self.spec, "name": self.name, "capabilities": self.describe()}
 
     @classmethod
     def from_plain(cls, data: dict[str, Any]) -> ConnectorInfo:
-        """The connector described by :meth:`plain`'s data."""
+        """The connector described by ``plain``'s data."""
         return cls(str(data["spec"]), str(data["name"]), None, dict(data["capabilities"]))
 
     def header(self) -> str:
@@ -115,7 +115,7 @@ class _Tracked:
                 "loads": self.loads}
 
     def absorb(self, data: dict[str, Any]) -> None:
-        """Take the worker's data from :meth:`plain` (the same values in a single process)."""
+        """Take the worker's data from ``plain`` (the same values in a single process)."""
         self.key = data.get("key")
         self.connector = data.get("connector")
         self.clauses = list(data.get("clauses") or [])
@@ -194,7 +194,7 @@ _KVSPEC_CORE = str(Path(__file__).parent.parent / "protocols")
 
 def _crashed_hook(exc: BaseException) -> str | None:
     """The connector function the suite's driver called (directly, or through a
-    :mod:`kvspec.protocols` default method) when ``exc`` escaped, named as
+    ``kvspec.protocols`` default method) when ``exc`` escaped, named as
     ``Class.method``; None when it did not escape from connector code."""
     frames = []
     tb = exc.__traceback__
@@ -463,7 +463,7 @@ class Recorder:
     ) -> Any:
         """Rewrite the failure of a ContractViolation to name the clause and the connector.
 
-        Every report of a tracked test carries the test's kvspec data as :data:`REPORT_ATTR`.
+        Every report of a tracked test carries the test's kvspec data as ``REPORT_ATTR``.
         """
         report: pytest.TestReport = yield
         tracked = self.tracked.get(item.nodeid)

@@ -84,7 +84,7 @@ def run_conformance(
         specs: Connector specs (``"pkg.module:Factory"``), at least one.
         profile: ``"default"`` or ``"full"`` (ten times the hypothesis examples).
         report_path: Also keep the JSON report there.
-        xfail_path: An expected-failures file (see :mod:`kvspec.conformance`).
+        xfail_path: An expected-failures file (see ``kvspec.conformance``).
         extra_pytest_args: More pytest arguments (``-x``, ``-k name``, ``-q``...).
         progress: Run the connectors one after another and write a line to this stream as
             each starts (``connector 2/6: SPEC: 58 tests (elapsed 40s, ETA 2m10s)``) and

@@ -74,7 +74,7 @@ class SuitePlan:
 
     def select(self, items: list[pytest.Item]) -> None:
         """Keep, of the suite's items, those the chosen node ids name (in place; collection
-        already dropped the others, see :meth:`keeps`).
+        already dropped the others, see ``keeps``).
 
         Raises:
             pytest.UsageError: A chosen node id names no collected test.
@@ -176,7 +176,7 @@ def plan_suite(config: pytest.Config) -> SuitePlan:
     """Decide what of the suite a session with connectors collects; adjust ``config.args``.
 
     The suite directory is added to the arguments when pytest was given none, or when they
-    name suite tests (which are then the only suite tests kept, see :meth:`SuitePlan.select`);
+    name suite tests (which are then the only suite tests kept, see ``SuitePlan.select``);
     arguments that hold the whole suite are left as given.
     """
     plan = _plan(config, suite_dir())

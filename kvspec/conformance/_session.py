@@ -1,15 +1,15 @@
 """What ``kvspec conform`` adds to a pytest session: the user's rootdir, and progress lines.
 
-:func:`~kvspec.conformance.run_conformance` loads this module as a plugin (``-p``, so that
-pytest-xdist workers load it too) and passes it a :class:`ConnectorProgress`; a plain
+``run_conformance`` loads this module as a plugin (``-p``, so that
+pytest-xdist workers load it too) and passes it a ``ConnectorProgress``; a plain
 ``pytest --kvspec-conformance`` session loads neither (its output is pytest's).
 
-* The module's :func:`pytest_configure` lets pytest find its rootdir and ini file from the
+* The module's ``pytest_configure`` lets pytest find its rootdir and ini file from the
   current directory, as it does for ``pytest`` typed there, and then collects the suite
   instead of the project's own tests. (Passing the suite directory as an argument made
   pytest look for them from the suite directory: inside kvspec, which read kvspec's own
   ``pyproject.toml``.)
-* :class:`ConnectorProgress` runs the suite connector by connector and prints a line to a
+* ``ConnectorProgress`` runs the suite connector by connector and prints a line to a
   stream as each connector starts (with the elapsed time and an estimate of the time left)
   and as it ends (its tests, outcomes and time), and a ``still running`` line while one
   test runs long.
@@ -46,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     invocation directory when there are none. ``kvspec conform`` therefore passes no path,
     and this hook puts the suite directory in place of what pytest would collect then
     (``testpaths`` or the current directory). Paths and node ids given after ``--`` are
-    left to the kvspec plugin (:mod:`._selection`), with the whole suite added when they
+    left to the kvspec plugin (``._selection``), with the whole suite added when they
     name none of it.
     """
     root = suite_dir()
@@ -112,7 +112,7 @@ class ConnectorProgress:
     A test that runs longer than ``heartbeat_s`` gets a ``still running`` line every
     ``heartbeat_s`` seconds, written from a thread while the test runs.
 
-    Create it just before ``pytest.main`` and :meth:`close` it after: where the stream is a
+    Create it just before ``pytest.main`` and ``close`` it after: where the stream is a
     file descriptor (stderr), the lines go to a duplicate of it made here, which pytest's
     capture of the test's own output does not redirect.
 
@@ -149,7 +149,7 @@ class ConnectorProgress:
                 self._out.close()
 
     def pytest_unconfigure(self) -> None:
-        """Close (see :meth:`close`)."""
+        """Close (see ``close``)."""
         self.close()
 
     # -- collection ------------------------------------------------------------------------------

@@ -48,9 +48,9 @@ def suite_files() -> list[Path]:
 def suite_classes() -> tuple[type[ConformanceSuite], ...]:
     """Every topic class of the suite, ordered by module then class name.
 
-    A topic class is a :class:`ConformanceSuite` subclass whose name starts with ``Test``,
+    A topic class is a ``ConformanceSuite`` subclass whose name starts with ``Test``,
     defined in one of the ``kvspec/conformance/suite/test_*.py`` modules. Class names are
-    unique across modules (:func:`make_suite` keys its result by them).
+    unique across modules (``make_suite`` keys its result by them).
 
     Raises:
         RuntimeError: Two topic modules define a class of the same name.
@@ -92,7 +92,7 @@ def make_suite(
     message.
 
     Args:
-        connector: A connector spec (see :func:`load_factory`).
+        connector: A connector spec (see ``load_factory``).
         module: The ``__module__`` of the new classes; default: the caller's module.
 
     Raises:
@@ -148,7 +148,7 @@ def xfail_key(
     test with further parameters. ``<file>`` is the topic module's path relative to the
     suite directory (``test_declaration.py``) and ``<TopicClass>`` the suite topic class,
     whichever way the test was collected, so the key is the same for the plugin and for
-    subclasses made by :func:`make_suite`, and the same on every installation.
+    subclasses made by ``make_suite``, and the same on every installation.
     """
     topic = topic_class(cls)
     file = None

@@ -7,7 +7,7 @@ Options:
     given no path, the modules of the installed ``kvspec/conformance/suite/`` are collected
     in addition to ``testpaths`` (or the current directory); paths and node ids given on the
     command line restrict collection as usual, and the node ids pytest prints for suite tests
-    (``test_engine.py::TestEngine::...``) are accepted back (:mod:`._selection`). Every suite
+    (``test_engine.py::TestEngine::...``) are accepted back (``._selection``). Every suite
     test runs once per connector, with the spec as its id. Without it the suite is never
     collected.
 ``--kvspec-profile=default|full``
@@ -18,17 +18,17 @@ Options:
     connector, duration, message) and per-clause counts.
 ``--kvspec-xfail=PATH``
     Mark the tests listed in an expected-failures file as strict xfails (format in
-    :mod:`kvspec.conformance`); a line matching no test warns with
-    :class:`KVSpecXfailWarning`.
+    ``kvspec.conformance``); a line matching no test warns with
+    ``KVSpecXfailWarning``.
 ``--kvspec-write-xfail=PATH``
     At the end, write the keys of the suite tests that failed to ``PATH``.
 
 Markers: ``kvspec_clause(*ids)`` names the clauses a test checks (validated at collection);
 ``kvspec_requires(*capabilities)`` skips a suite test whose connector does not declare one
-of the capabilities. Fixtures: :func:`kvspec_factory`, :func:`kvspec_capabilities`,
-:func:`kvspec_profile`, :func:`kvspec_tmpdir`.
+of the capabilities. Fixtures: ``kvspec_factory``, ``kvspec_capabilities``,
+``kvspec_profile``, ``kvspec_tmpdir``.
 
-Importing this module imports neither torch, nor :mod:`kvspec.protocols`, nor hypothesis:
+Importing this module imports neither torch, nor ``kvspec.protocols``, nor hypothesis:
 they are imported only when a session holds suite tests or asks for the full profile.
 """
 
@@ -224,7 +224,7 @@ def kvspec_factory(request: pytest.FixtureRequest) -> ConnectorFactory:
     """The connector factory under test.
 
     Its spec is the ``--kvspec-conformance`` parameter, or else the ``connector`` attribute
-    of the test class (set by :func:`kvspec.conformance.make_suite`).
+    of the test class (set by ``kvspec.conformance.make_suite``).
     """
     from ._loader import load_factory
 

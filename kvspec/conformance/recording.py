@@ -1,7 +1,7 @@
 """Record the hook calls an engine makes into a connector, and check them against the spec.
 
 For engine developers and for kvspec itself: wrap any connector in
-:class:`RecordingConnector`, run it in a real engine, and :func:`check_call_order` says
+``RecordingConnector``, run it in a real engine, and ``check_call_order`` says
 where the engine's calls break the order of docs/spec/state-machines.md, clause by clause.
 The recorder appends one JSON line per hook call to a file, so the scheduler and the
 workers may live in different processes; it changes nothing the connector sees or returns.

@@ -1,7 +1,7 @@
 """``kvspec demo pd``: prefill/decode disaggregation over NIXL, two engines, two processes.
 
 A prefill engine (one process) computes each prompt and hands it off through the NIXL
-backend (:class:`~kvspec.backends.nixl.NixlConnector`); a decode engine (another process)
+backend (``NixlConnector``); a decode engine (another process)
 reads the prompt's blocks over NIXL, then decodes. Each engine is the conformance harness's
 engine, so every KV byte the decode engine's model reads, including every loaded block at
 every layer, is checked against the value it must hold (WRK-013): a wrong byte stops the

@@ -1,7 +1,7 @@
 """Typed Protocols and value types of the KV-connector contract.
 
-This package is the spec in code: the role Protocols (:class:`SchedulerConnector`,
-:class:`WorkerConnector`, :class:`ExecutorConnector`, :class:`ConnectorFactory`), the
+This package is the spec in code: the role Protocols (``SchedulerConnector``,
+``WorkerConnector``, ``ExecutorConnector``, ``ConnectorFactory``), the
 read-only engine views connectors receive, the connector output and events, the KV-cache
 layout descriptor and its negotiation, capabilities, dummy-run and graph semantics, the
 request state machine, the standard aggregator, and the error hierarchy. Docstrings cite

@@ -24,7 +24,7 @@ def check_instance(name: str, value: object, cls: type[T]) -> T:
 
 
 def check_request(request: object) -> RequestView:
-    """``request`` if it is a :class:`RequestView`, else InvalidArgumentError."""
+    """``request`` if it is a ``RequestView``, else InvalidArgumentError."""
     return check_instance("request", request, RequestView)
 
 

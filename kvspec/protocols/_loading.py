@@ -2,8 +2,8 @@
 
 A connector is named by a *spec*: an import path ``"pkg.module:Name"`` (the part after the
 colon may be a dotted attribute path, ``"pkg.module:Outer.Factory"``), a class with a
-no-argument constructor, or a factory instance. :func:`load_factory` accepts all three;
-:func:`factory_spec` goes back from an instance to an import path so that worker processes
+no-argument constructor, or a factory instance. ``load_factory`` accepts all three;
+``factory_spec`` goes back from an instance to an import path so that worker processes
 (the suite's, an engine's) can re-create the factory.
 """
 
@@ -68,8 +68,8 @@ def load_factory(spec: str | ConnectorFactory | type) -> ConnectorFactory:
             or a factory instance (used as is).
 
     Returns:
-        An object that satisfies :class:`~kvspec.protocols.ConnectorFactory`, whose
-        ``capabilities`` is a :class:`~kvspec.protocols.Capabilities` and whose ``name`` is a
+        An object that satisfies ``ConnectorFactory``, whose
+        ``capabilities`` is a ``Capabilities`` and whose ``name`` is a
         non-empty string.
 
     Raises:
@@ -125,7 +125,7 @@ def _has_member(obj: object, member: str) -> bool:
 def factory_spec(factory: ConnectorFactory | type) -> str:
     """Return the ``"module:QualName"`` import path of a factory's class.
 
-    Worker subprocesses re-create the factory from it with :func:`load_factory`, so the class
+    Worker subprocesses re-create the factory from it with ``load_factory``, so the class
     must be importable: defined at module level (or nested in module-level classes) in a
     module other than ``__main__``, with a no-argument constructor.
 

@@ -1,11 +1,11 @@
 """The executor's reduction of per-rank connector outputs into one (EXE clauses).
 
 Each worker rank (tensor x pipeline parallel) returns a
-:class:`~kvspec.protocols.events.KVConnectorOutput` every step. The executor combines
+``KVConnectorOutput`` every step. The executor combines
 them into one output for the scheduler with an aggregator. A request's asynchronous
 send or receive is complete only when every expected rank has reported it; a double
 report would free blocks while a rank still reads them, a missing one leaks them.
-:class:`StandardAggregator` is the reference implementation of that accounting.
+``StandardAggregator`` is the reference implementation of that accounting.
 
 Clauses enforced here:
 
@@ -96,17 +96,17 @@ class StandardAggregator:
     """The reference executor-side aggregation of per-rank connector outputs.
 
     Role: the engine's executor owns one aggregator per engine; nothing else calls it.
-    The engine MUST call :meth:`expect` for every request/direction it will wait on
+    The engine MUST call ``expect`` for every request/direction it will wait on
     (a delayed free after ``request_finished`` returned True is ``SEND``; an
     asynchronous load is ``RECV``) before any rank can report it (EXE-011), and MUST
-    call :meth:`aggregate` once per model step with exactly one output per rank.
+    call ``aggregate`` once per model step with exactly one output per rank.
 
     How many reports complete a request/direction is fixed when its first report
     arrives, by the first that applies of (EXE-008):
 
     1. ``expected_finished_count`` of the outputs reporting it in that step (they MUST
        agree);
-    2. the ``count`` given to :meth:`expect`;
+    2. the ``count`` given to ``expect``;
     3. the aggregator's ``expected_count`` (the connector's finished count);
     4. the world size.
 
@@ -141,7 +141,7 @@ class StandardAggregator:
 
     @property
     def world_size(self) -> int:
-        """The number of ranks; :meth:`aggregate` takes exactly this many outputs."""
+        """The number of ranks; ``aggregate`` takes exactly this many outputs."""
         return self._world_size
 
     @property
@@ -201,7 +201,7 @@ class StandardAggregator:
 
         Raises:
             InvalidArgumentError: ``outputs`` does not hold exactly one
-                :class:`KVConnectorOutput` per rank (EXE-010).
+                ``KVConnectorOutput`` per rank (EXE-010).
             DoubleReportError: A rank reported a request/direction it already reported
                 (EXE-002).
             UnknownRequestError: A rank reported a request/direction that is not awaited
@@ -367,7 +367,7 @@ class StandardAggregator:
         """A snapshot of every awaited request/direction and how many reports remain.
 
         For one that has not started counting, the remaining count is its ``count``
-        from :meth:`expect` or the default; an output's ``expected_finished_count`` may
+        from ``expect`` or the default; an output's ``expected_finished_count`` may
         still change it (EXE-008).
         """
         default = self._default_count

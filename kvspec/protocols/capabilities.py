@@ -76,7 +76,7 @@ class Capabilities:
             (partial-block copies, per-token reads). It cannot run on engines whose pages
             are opaque (vLLM-CPU); layout negotiation refuses it there (LAY-014).
         fault_injection: The connector honours ``EngineConfigView.extra["kvspec.faults"]``
-            (:class:`~kvspec.protocols.FaultPlan`): it can be told to fail its loads or
+            (``FaultPlan``): it can be told to fail its loads or
             stores, or to keep every transfer in flight for a while, so the conformance
             suite checks what it does when transfers fail or are slow.
     """

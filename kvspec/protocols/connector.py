@@ -22,8 +22,8 @@ __all__ = ["ConnectorFactory"]
 class ConnectorFactory(Protocol):
     """Builds the roles of one connector and declares what it can do.
 
-    The engine calls :meth:`create_scheduler` once in the scheduler process,
-    :meth:`create_worker` once per rank in each worker process, and :meth:`create_executor`
+    The engine calls ``create_scheduler`` once in the scheduler process,
+    ``create_worker`` once per rank in each worker process, and ``create_executor``
     once next to the scheduler. Factories must be cheap to construct and hold no resources:
     the roles own them.
     """

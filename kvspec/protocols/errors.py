@@ -1,9 +1,9 @@
 """The kvspec error hierarchy.
 
-Every error kvspec raises is a :class:`KVSpecError`. Errors that reject a caller's input
+Every error kvspec raises is a ``KVSpecError``. Errors that reject a caller's input
 also derive from the matching builtin (``ValueError``, ``TypeError``, ``TimeoutError``) so
 generic handlers keep working. Each error message says what was wrong and what was
-expected; errors that enforce a numbered clause carry its ID in :attr:`KVSpecError.clause`.
+expected; errors that enforce a numbered clause carry its ID in ``KVSpecError.clause``.
 
 This module imports nothing else of kvspec (clause ERR-001).
 """

@@ -1,10 +1,10 @@
 """What a worker rank hands back to the engine each step, and the events inside it.
 
-Every worker rank returns one :class:`KVConnectorOutput` per model step. It names the
+Every worker rank returns one ``KVConnectorOutput`` per model step. It names the
 requests whose asynchronous sends and receives finished on that rank, the blocks whose
 load failed, the connector's statistics, the KV-cache events the connector produced and
 connector-specific worker metadata. The executor combines the outputs of all ranks with
-an aggregator (see :mod:`kvspec.protocols.aggregation`) before the scheduler sees them.
+an aggregator (see ``kvspec.protocols.aggregation``) before the scheduler sees them.
 
 Clauses enforced here:
 
@@ -16,14 +16,14 @@ Clauses enforced here:
 * EVT-004 -- each KV-cache event is delivered exactly once (taking events drains them).
 * EVT-005 -- the fields of each KV-cache event are well formed.
 * EVT-006 -- connector statistics reduce associatively (and commutatively for
-  :class:`ConnectorStats`).
+  ``ConnectorStats``).
 * EVT-007 -- worker metadata reduces associatively.
 * EVT-008 -- ``expected_finished_count`` is at least 1 when set.
 * EVT-009 -- outputs cross a process boundary only through the safe wire codec
-  (:meth:`KVConnectorOutput.to_wire` / :meth:`KVConnectorOutput.from_wire`); nothing
+  (``KVConnectorOutput.to_wire`` / ``KVConnectorOutput.from_wire``); nothing
   is ever unpickled from a peer (ERR-006).
 
-This module imports nothing of kvspec but :mod:`kvspec.protocols.errors`.
+This module imports nothing of kvspec but ``kvspec.protocols.errors``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class SupportsAggregate(Protocol):
     * It MAY assume ``other`` comes from a rank of the same connector (same type);
       it MUST raise an error rather than silently drop data it cannot combine.
     * The value MUST NOT require unpickling to cross a process boundary (ERR-006,
-      EVT-009): a value that is not a :class:`ConnectorStats` provides the same codec as
+      EVT-009): a value that is not a ``ConnectorStats`` provides the same codec as
       connector metadata, ``encode() -> bytes`` and a classmethod ``decode(data)`` that
       returns an equal value (the harness carries it from worker processes so, and
       reports a value without it).
@@ -109,7 +109,7 @@ class SupportsAggregate(Protocol):
 WorkerMetadata: TypeAlias = SupportsAggregate
 """Connector-specific metadata a worker rank returns each step (EVT-007).
 
-It is any :class:`SupportsAggregate` value: the executor reduces the values of all
+It is any ``SupportsAggregate`` value: the executor reduces the values of all
 ranks with ``aggregate`` in rank order and hands the result to the scheduler-side
 connector. kvspec does not interpret it.
 """
@@ -239,7 +239,7 @@ class BlockStored:
 
     Produced once per storing action and delivered exactly once (EVT-004): a connector
     returns it from ``take_events`` (which drains its queue) or in one step's
-    :class:`KVConnectorOutput`, never both and never twice.
+    ``KVConnectorOutput``, never both and never twice.
 
     Attributes:
         block_hashes: The hashes of the stored blocks, in token order; at least one.
@@ -343,10 +343,10 @@ def _freeze_counters(value: Mapping[str, float]) -> tuple[tuple[str, float], ...
 class ConnectorStats:
     """Named numeric counters a worker rank reports for one step (EVT-006).
 
-    The executor reduces the stats of all ranks with :meth:`aggregate` (summing each
+    The executor reduces the stats of all ranks with ``aggregate`` (summing each
     counter) and the engine's logger reads the result. Connectors with richer
-    statistics subclass this class (overriding :meth:`aggregate`, which MUST stay
-    associative) or provide any :class:`SupportsAggregate` value instead.
+    statistics subclass this class (overriding ``aggregate``, which MUST stay
+    associative) or provide any ``SupportsAggregate`` value instead.
 
     Construct it as ``ConnectorStats(counters={name: value, ...})``: names are non-empty
     strings; values are finite ints or floats (never ``bool``). The mapping is copied;
@@ -373,7 +373,7 @@ class ConnectorStats:
         float counters. Neither operand is mutated.
 
         Raises:
-            InvalidArgumentError: ``other`` is not a :class:`ConnectorStats`.
+            InvalidArgumentError: ``other`` is not a ``ConnectorStats``.
         """
         if not isinstance(other, ConnectorStats):
             raise InvalidArgumentError(
@@ -477,7 +477,7 @@ def _expected_finished_count(value: int | None) -> int | None:
 
 
 WIRE_VERSION = 1
-"""The version tag :meth:`KVConnectorOutput.to_wire` writes and ``from_wire`` requires."""
+"""The version tag ``KVConnectorOutput.to_wire`` writes and ``from_wire`` requires."""
 
 _WIRE_KIND = "kvspec.KVConnectorOutput"
 _WIRE_KEYS = frozenset(
@@ -503,7 +503,7 @@ class KVConnectorOutput:
     A connector's worker side builds one per step (the engine calls its
     ``get_finished`` / stats / event hooks and packs the answers); the executor
     combines the outputs of all ranks (see
-    :class:`~kvspec.protocols.aggregation.StandardAggregator`). Every argument may be
+    ``StandardAggregator``). Every argument may be
     any iterable of the right items; it is converted to the immutable type below and
     validated on construction (EVT-001). It never changes afterwards, so the executor,
     the scheduler and the connector may share it.
@@ -588,11 +588,11 @@ class KVConnectorOutput:
         """Encode the output as JSON-compatible data for another process (EVT-009).
 
         The result holds only dicts with str keys, lists, str, int, float and None;
-        ``json.dumps`` accepts it and :meth:`from_wire` restores an equal output. Sets
+        ``json.dumps`` accepts it and ``from_wire`` restores an equal output. Sets
         become sorted lists; a ``bytes`` block hash becomes ``{"bytes": "<hex>"}``.
 
         ``stats`` and ``worker_metadata`` are carried only when they are exactly
-        :class:`ConnectorStats` (as their counters). Any other value is the connector's
+        ``ConnectorStats`` (as their counters). Any other value is the connector's
         business: it MUST encode it with its own safe codec and carry it separately.
         By default such a value is an error, so it is never dropped silently; pass
         ``omit_custom=True`` to encode it as None instead.
@@ -618,7 +618,7 @@ class KVConnectorOutput:
 
     @classmethod
     def from_wire(cls, data: object) -> KVConnectorOutput:
-        """Decode and validate what :meth:`to_wire` produced, from an untrusted peer.
+        """Decode and validate what ``to_wire`` produced, from an untrusted peer.
 
         Only plain data is accepted; nothing is unpickled or imported (ERR-006). Every
         key must be present and no other key may be; every value is type-checked and

@@ -1,6 +1,6 @@
 """The executor role: turns the per-rank outputs of one step into one output for the scheduler.
 
-kvspec ships :class:`~kvspec.protocols.StandardAggregator`, which implements every EXE clause;
+kvspec ships ``StandardAggregator``, which implements every EXE clause;
 a connector that declares ``custom_aggregator`` supplies its own (EXE-012).
 """
 

@@ -1,8 +1,7 @@
 """The fault seam: how an engine (or the conformance harness) tells a connector to fail or
 slow down its transfers, so what the connector does then can be checked.
 
-A connector that declares :attr:`Capabilities.fault_injection
-<kvspec.protocols.Capabilities.fault_injection>` reads :meth:`FaultPlan.from_config` in
+A connector that declares ``Capabilities.fault_injection`` reads ``FaultPlan.from_config`` in
 its roles and honours it: with ``fail_loads`` every load fails (reported in
 ``finished_recving`` and ``failed_recving`` with its blocks invalid, WRK-011); with
 ``fail_stores`` every store fails (it is never matched afterwards); with ``delay_s`` no
@@ -24,7 +23,7 @@ from .views import EngineConfigView
 __all__ = ["FAULTS_KEY", "FaultPlan"]
 
 FAULTS_KEY = "kvspec.faults"
-"""The ``EngineConfigView.extra`` key of a :class:`FaultPlan`'s plain-data form."""
+"""The ``EngineConfigView.extra`` key of a ``FaultPlan``'s plain-data form."""
 
 _KEYS = frozenset({"fail_loads", "fail_stores", "delay_s"})
 

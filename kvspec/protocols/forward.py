@@ -1,8 +1,8 @@
 """Dummy-run and graph semantics as types: what the engine binds and calls in each forward.
 
-:func:`plan_forward` is the DRY and GRA clauses in executable form. Engines and the
+``plan_forward`` is the DRY and GRA clauses in executable form. Engines and the
 conformance harness call it for every forward and do exactly what the returned
-:class:`ForwardPlan` says; connector authors can read it to know what to expect.
+``ForwardPlan`` says; connector authors can read it to know what to expect.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class ForwardPlan:
 def plan_forward(kind: ForwardKind, graph_mode: GraphMode, hooks: HookGraphMode) -> ForwardPlan:
     """Return what the engine binds and calls for one forward.
 
-    ``graph_mode`` is the effective mode from :func:`resolve_graph_mode`.
+    ``graph_mode`` is the effective mode from ``resolve_graph_mode``.
 
     Raises:
         InvalidArgumentError: CAPTURE or REPLAY with ``GraphMode.NONE``, or a non-enum argument.

@@ -1,11 +1,11 @@
 """The KV-cache layout descriptor: what a connector needs to know to move KV bytes.
 
 The logical KV space of one engine is ``[L layers, B blocks, H heads, N tokens per block,
-C]``. With :attr:`KVPacking.CONCAT` the last dim holds K then V
-(``C = head_size_k + head_size_v``); with :attr:`KVPacking.SPLIT` a K/V selector dim ``S``
+C]``. With ``KVPacking.CONCAT`` the last dim holds K then V
+(``C = head_size_k + head_size_v``); with ``KVPacking.SPLIT`` a K/V selector dim ``S``
 of size 2 follows ``L`` and the last dim is the head size ``D``. How these dims sit in
-memory is a :class:`StrideOrder` (LAY-001) plus the exact element strides, which
-:class:`KVCacheLayout` records, validates and turns into byte offsets and transfer regions.
+memory is a ``StrideOrder`` (LAY-001) plus the exact element strides, which
+``KVCacheLayout`` records, validates and turns into byte offsets and transfer regions.
 
 Clauses enforced or documented here:
 
@@ -16,11 +16,11 @@ Clauses enforced or documented here:
   ``num_blocks``, index tensors by ``block_capacity``, and never assert the two are equal.
 * LAY-004 pages may be padded: the page pitch comes from the strides, never from the sizes.
 * LAY-005 the descriptor is immutable and validated on construction.
-* LAY-006 :meth:`KVCacheLayout.byte_offset` equals the byte offset of the tensor's element.
+* LAY-006 ``KVCacheLayout.byte_offset`` equals the byte offset of the tensor's element.
 * LAY-007 ``register_kv_caches`` receives this descriptor with the tensors; a connector
   must not assume anything about the memory beyond what the descriptor states.
 * LAY-008 a tensor that does not match its descriptor is rejected with
-  :class:`~kvspec.protocols.errors.LayoutMismatchError`.
+  ``LayoutMismatchError``.
 * LAY-009 a connector never re-strides or re-allocates a tensor whose descriptor says
   ``restridable=False``.
 * LAY-011 layers that share storage are declared in ``shared_layers`` and moved once.
@@ -56,7 +56,7 @@ class StrideOrder(enum.Enum):
 
     The six members spell the dims ``L`` (layer), ``B`` (block), ``H`` (head), ``N`` (token
     in block) and ``C`` (K/V channels). The names ``NHD`` (= ``LBNHC``) and ``HND``
-    (= ``LBHNC``) are accepted by :meth:`parse` only, so static checkers see six members.
+    (= ``LBHNC``) are accepted by ``parse`` only, so static checkers see six members.
     Orders starting with ``B`` are cross-layer block layouts: all layers of one block are
     contiguous (LAY-013).
     """
@@ -233,7 +233,7 @@ class KVCacheLayout:
 
     A connector receives this with the tensors in ``register_kv_caches`` and must not
     assume anything beyond it (LAY-007); a tensor that does not match it is rejected
-    with :class:`LayoutMismatchError` (LAY-008, :meth:`check_tensor`).
+    with ``LayoutMismatchError`` (LAY-008, ``check_tensor``).
 
     Attributes:
         order: Memory order of the logical dims, outermost first (LAY-001).
@@ -261,7 +261,7 @@ class KVCacheLayout:
             ``C`` elements, are packed for the engine's kernels and are not token rows and
             channels (vLLM-CPU stores K transposed, then V). Shapes and strides still say
             where each page starts and how long it is; what lies inside has no address, so
-            only whole pages may be copied (LAY-014), and :meth:`byte_offset` refuses any
+            only whole pages may be copied (LAY-014), and ``byte_offset`` refuses any
             element but a page's first.
     """
 
@@ -446,7 +446,7 @@ class KVCacheLayout:
 
         Shape, strides and dtype are read from the tensor; ``block_capacity`` is its block
         dim (LAY-003). The order is inferred from the strides; when size-1 dims make several
-        orders fit, ``order`` picks one (default: the first in :class:`StrideOrder`).
+        orders fit, ``order`` picks one (default: the first in ``StrideOrder``).
         With ``shared_layers`` the tensor's first dim holds one entry per distinct storage
         (a group counts once), and ``num_layers`` counts every layer (LAY-011).
         ``restridable`` defaults to False: a tensor someone else allocated is not re-strided
@@ -490,7 +490,7 @@ class KVCacheLayout:
         ``data_ptr`` share storage and are recorded in ``shared_layers`` (LAY-011); the
         distinct storages, in order of first appearance, must be equally spaced and
         non-overlapping, and that spacing becomes the ``L`` stride. Byte offsets are from
-        ``tensors[0].data_ptr()``. Other parameters are as for :meth:`from_tensor`.
+        ``tensors[0].data_ptr()``. Other parameters are as for ``from_tensor``.
 
         Raises:
             LayoutMismatchError: naming the first layer that breaks one of the above (LAY-008).
@@ -652,7 +652,7 @@ class KVCacheLayout:
 
     @property
     def element_size(self) -> int:
-        """Bytes per element of :attr:`dtype`."""
+        """Bytes per element of ``dtype``."""
         return self.dtype.itemsize
 
     @property
@@ -682,9 +682,9 @@ class KVCacheLayout:
 
     @property
     def storage_shape(self) -> tuple[int, ...]:
-        """The shape whose strides are :attr:`strides`: :attr:`logical_shape` with
+        """The shape whose strides are ``strides``: ``logical_shape`` with
         ``num_storage_layers`` in place of ``num_layers``. Equal to it unless layers share
-        storage (LAY-011). This is what :meth:`check_tensor` and :meth:`view` use."""
+        storage (LAY-011). This is what ``check_tensor`` and ``view`` use."""
         tail = (self.block_capacity, self.num_heads, self.block_size)
         if self.packing is KVPacking.SPLIT:
             return (self.num_storage_layers, 2, *tail, self.head_size_k)
@@ -709,7 +709,7 @@ class KVCacheLayout:
     def padded_page_size_bytes(self) -> int:
         """The page pitch in bytes, padding included (LAY-004): the block stride for
         layer-outermost orders, the layer stride for block-outermost orders. It exceeds
-        :attr:`page_size_bytes` exactly when pages are padded, for orders whose page is
+        ``page_size_bytes`` exactly when pages are padded, for orders whose page is
         contiguous (H inside B and L); for LHBNC/BHLNC, and for SPLIT with the K and V
         halves of a page apart, it is the pitch of the contiguous part. Meaningless when the
         dim it comes from has size 1."""
@@ -733,7 +733,7 @@ class KVCacheLayout:
 
     @property
     def span_bytes(self) -> int:
-        """:attr:`span_elems` in bytes: the memory region to register for transfers."""
+        """``span_elems`` in bytes: the memory region to register for transfers."""
         return self.span_elems * self.element_size
 
     # ---------------------------------------------------------------- addressing
@@ -747,7 +747,7 @@ class KVCacheLayout:
         ``kv`` selects K (0) or V (1); ``elem`` indexes the channels of that head (for
         CONCAT, V starts at channel ``head_size_k``). ``block`` may be any index below
         ``block_capacity`` (LAY-003). Layers in a shared group give the same offset (LAY-011).
-        With :attr:`opaque_pages` only a page's first element (token 0, element 0, and K
+        With ``opaque_pages`` only a page's first element (token 0, element 0, and K
         unless K and V are split) has a meaningful address (LAY-014).
 
         Raises:
@@ -777,7 +777,7 @@ class KVCacheLayout:
 
     def check_tensor(self, tensor: torch.Tensor) -> None:
         """Check that ``tensor`` is the tensor this descriptor describes: dtype,
-        :attr:`storage_shape` and strides (strides of size-1 dims are not compared).
+        ``storage_shape`` and strides (strides of size-1 dims are not compared).
 
         Raises:
             LayoutMismatchError: naming the field that differs (LAY-008).
@@ -791,7 +791,7 @@ class KVCacheLayout:
         self._check_geometry("tensor", tensor, self.storage_shape, self.strides)
 
     def check_layer_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Check per-layer tensors (one per layer, shape :attr:`storage_shape` without the
+        """Check per-layer tensors (one per layer, shape ``storage_shape`` without the
         first dim) against this descriptor: dtype, shape, strides, one shared storage, and
         each layer starting at its slot's offset from ``tensors[0]`` (LAY-008, LAY-011).
 
@@ -847,9 +847,9 @@ class KVCacheLayout:
                 )
 
     def view(self, storage: torch.Tensor) -> torch.Tensor:
-        """The :attr:`storage_shape` view of a flat, contiguous 1-D ``storage`` of
-        :attr:`dtype` holding at least :attr:`span_elems` elements. Never copies; the
-        result's element offsets are those of :meth:`byte_offset` (LAY-006).
+        """The ``storage_shape`` view of a flat, contiguous 1-D ``storage`` of
+        ``dtype`` holding at least ``span_elems`` elements. Never copies; the
+        result's element offsets are those of ``byte_offset`` (LAY-006).
 
         Raises:
             LayoutMismatchError: wrong dtype, not flat and contiguous, or too small (LAY-008).
@@ -898,7 +898,7 @@ class KVCacheLayout:
 
     @property
     def region_nbytes(self) -> int:
-        """Bytes of each contiguous region of a block (see :meth:`block_regions`)."""
+        """Bytes of each contiguous region of a block (see ``block_regions``)."""
         return self._region_geometry()[0] * self.element_size
 
     @property
@@ -961,8 +961,8 @@ class KVCacheLayout:
         return ids
 
     def block_region_offsets(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Vectorised :meth:`block_regions`: an int64 tensor ``[len(block_ids),
-        regions_per_block]`` of byte offsets, each region :attr:`region_nbytes` long, on the
+        """Vectorised ``block_regions``: an int64 tensor ``[len(block_ids),
+        regions_per_block]`` of byte offsets, each region ``region_nbytes`` long, on the
         device of ``block_ids`` when it is a tensor (LAY-011, LAY-013).
 
         Raises:

@@ -1,7 +1,7 @@
 """The request state machine of docs/spec/state-machines.md, as data.
 
 Engines and the conformance harness check every request transition against
-:data:`REQUEST_TRANSITIONS` with :func:`check_transition`.
+``REQUEST_TRANSITIONS`` with ``check_transition``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def check_transition(request_id: str, old: RequestStatus, new: RequestStatus) ->
 
     Raises:
         InvalidArgumentError: a state is not a RequestStatus.
-        ContractViolation: the transition is not in :data:`REQUEST_TRANSITIONS`.
+        ContractViolation: the transition is not in ``REQUEST_TRANSITIONS``.
     """
     if not isinstance(old, RequestStatus) or not isinstance(new, RequestStatus):
         raise InvalidArgumentError(f"states must be RequestStatus, got {old!r} -> {new!r}")

@@ -43,7 +43,7 @@ class ConnectorMetadata(Protocol):
 
     @abstractmethod
     def encode(self) -> bytes:
-        """Return the metadata as bytes that :meth:`decode` turns back into an equal object.
+        """Return the metadata as bytes that ``decode`` turns back into an equal object.
 
         Must not use pickle or any format that runs code when decoded (ERR-006).
         """
@@ -51,7 +51,7 @@ class ConnectorMetadata(Protocol):
     @classmethod
     @abstractmethod
     def decode(cls, data: bytes) -> Self:
-        """Rebuild metadata from :meth:`encode`'s bytes.
+        """Rebuild metadata from ``encode``'s bytes.
 
         Must validate what it reads and raise MalformedMetadataError on anything it did not
         write (ERR-005).
@@ -62,8 +62,8 @@ class MetadataSlot(Generic[M]):
     """Holds the metadata bound to a worker connector, and refuses reads when none is.
 
     A connector keeps one slot and forwards ``bind_connector_metadata`` and
-    ``clear_connector_metadata`` to it; hooks read the metadata with :meth:`get`, which raises
-    :class:`MetadataNotBoundError` naming the hook instead of failing an assertion (DRY-001).
+    ``clear_connector_metadata`` to it; hooks read the metadata with ``get``, which raises
+    ``MetadataNotBoundError`` naming the hook instead of failing an assertion (DRY-001).
     """
 
     __slots__ = ("_value", "_type")
@@ -232,10 +232,10 @@ class HandshakeMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> HandshakeMetadata:
-        """Decode and validate bytes from :meth:`encode` (HSK-001, HSK-005).
+        """Decode and validate bytes from ``encode`` (HSK-001, HSK-005).
 
         Raises:
-            MalformedMetadataError: the bytes are not the JSON object :meth:`encode` writes.
+            MalformedMetadataError: the bytes are not the JSON object ``encode`` writes.
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MalformedMetadataError(

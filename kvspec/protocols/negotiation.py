@@ -1,8 +1,8 @@
 """Layout negotiation between a connector, the attention backend and the tensor provider.
 
 Each party states the stride orders (LAY-001) and K/V packings (LAY-002) it accepts;
-:func:`negotiate_layout` picks the one layout all three accept, led by the connector's
-preference, or fails with :class:`~kvspec.protocols.errors.LayoutNegotiationError` naming
+``negotiate_layout`` picks the one layout all three accept, led by the connector's
+preference, or fails with ``LayoutNegotiationError`` naming
 who refused what. It never falls back silently to a layout someone refused (LAY-010).
 """
 
@@ -101,13 +101,13 @@ class LayoutOffer:
 
 @attrs.frozen
 class ResolvedLayout:
-    """The outcome of :func:`negotiate_layout`: an order and packing every offer accepts.
+    """The outcome of ``negotiate_layout``: an order and packing every offer accepts.
 
     Attributes:
         order: The agreed stride order.
         packing: The agreed K/V packing.
         chosen_by: The party whose preference decided the order, or ``"default"`` when
-            no party stated one (then the first order of :class:`StrideOrder`).
+            no party stated one (then the first order of ``StrideOrder``).
         offers: The offers it was resolved from: connector, attention backend, provider.
         packing_chosen_by: The same for the packing; defaults to ``chosen_by``.
         opaque_pages: True when any offer's pages are opaque: the descriptor built for the
@@ -205,7 +205,7 @@ def negotiate_layout(
     The order is the first of the connector's preferences that the attention backend and
     the tensor provider accept; if the connector has no preference, the backend's
     preference leads, then the provider's; if nobody has one, the first
-    :class:`StrideOrder`. The packing is chosen the same way, independently. A party that
+    ``StrideOrder``. The packing is chosen the same way, independently. A party that
     needs token rows never agrees with a party whose pages are opaque (LAY-014).
 
     Raises:
@@ -213,7 +213,7 @@ def negotiate_layout(
             holds one line per party that excluded a candidate of the leading party,
             e.g. ``"attention backend refused BLHNC: accepts LBHNC, LBNHC"``. There is
             no silent fallback (LAY-010).
-        InvalidArgumentError: an argument is not a :class:`LayoutOffer`.
+        InvalidArgumentError: an argument is not a ``LayoutOffer``.
     """
     offers = (connector, backend, provider)
     for role, offer in zip(("connector", "backend", "provider"), offers):

@@ -165,7 +165,7 @@ def freeze_params(
 
 
 def thaw_params(value: Any) -> Any:
-    """The inverse of :func:`freeze_params`: a plain, mutable, JSON-ready copy of frozen
+    """The inverse of ``freeze_params``: a plain, mutable, JSON-ready copy of frozen
     parameters (mappings become ``dict`` with ``str`` keys, sequences become ``list``), for
     ``json.dumps`` or for handing to another process (SCH-018)."""
     if isinstance(value, Mapping):

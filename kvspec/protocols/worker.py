@@ -26,9 +26,9 @@ class WorkerConnector(Protocol):
     order (docs/spec/state-machines.md): ``bind_connector_metadata``, ``start_load_kv``,
     per layer ``wait_for_layer_load`` then ``save_kv_layer``, ``wait_for_save``,
     ``clear_connector_metadata``; then the output hooks (``get_finished`` and friends, gathered
-    by :meth:`build_connector_output`). Which of these run in dummy and graph forwards is
-    decided by :func:`kvspec.protocols.plan_forward` from the connector's declared
-    :class:`~kvspec.protocols.HookGraphMode` (DRY and GRA clauses).
+    by ``build_connector_output``). Which of these run in dummy and graph forwards is
+    decided by ``kvspec.protocols.plan_forward`` from the connector's declared
+    ``HookGraphMode`` (DRY and GRA clauses).
     """
 
     # -- required -------------------------------------------------------------------------
@@ -102,7 +102,7 @@ class WorkerConnector(Protocol):
 
         When: for connectors with per-layer hooks, once per layer per forward, in layer
         order, after the layer's KV for the scheduled tokens is written. ``kv_layer`` is the
-        layer's registered tensor. Same graph rules as :meth:`wait_for_layer_load`.
+        layer's registered tensor. Same graph rules as ``wait_for_layer_load``.
         Default: does nothing.
         """
         return None
@@ -132,7 +132,7 @@ class WorkerConnector(Protocol):
     def get_failed_recving(self) -> frozenset[str]:
         """Return requests whose receive failed, a subset of this step's finished_recving.
 
-        Called right after :meth:`get_finished` in the same step (WRK-011, EVT-002).
+        Called right after ``get_finished`` in the same step (WRK-011, EVT-002).
         Default: none.
         """
         return frozenset()
@@ -176,10 +176,10 @@ class WorkerConnector(Protocol):
         """Gather this step's output: the engine's single call for the output hooks.
 
         When: once per executed step (WRK-008); never for a dummy run (DRY-008).
-        Default: calls :meth:`get_finished`, :meth:`get_failed_recving`,
-        :meth:`get_block_ids_with_load_errors`, :meth:`get_kv_connector_stats`,
-        :meth:`get_kv_connector_kv_cache_events`, :meth:`build_connector_worker_meta` and
-        :meth:`get_finished_count_override`, in that order, into one validated output.
+        Default: calls ``get_finished``, ``get_failed_recving``,
+        ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``,
+        ``get_kv_connector_kv_cache_events``, ``build_connector_worker_meta`` and
+        ``get_finished_count_override``, in that order, into one validated output.
         """
         sending, recving = self.get_finished(finished_req_ids)
         return KVConnectorOutput(

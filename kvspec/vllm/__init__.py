@@ -1,7 +1,7 @@
 """kvspec connectors inside vLLM: the only part of kvspec that imports vLLM.
 
-:class:`KVSpecConnector` is a vLLM ``KVConnectorBase_V1`` that runs any kvspec
-:class:`~kvspec.protocols.ConnectorFactory`; :func:`transfer_config` builds the vLLM
+``KVSpecConnector`` is a vLLM ``KVConnectorBase_V1`` that runs any kvspec
+``ConnectorFactory``; ``transfer_config`` builds the vLLM
 ``KVTransferConfig`` that selects it::
 
     from vllm import LLM
@@ -39,7 +39,7 @@ def __getattr__(name: str) -> Any:
 def transfer_config(factory: str, kv_role: str = "kv_both", *, engine_id: str | None = None,
                     kv_load_failure_policy: str = "recompute", **extra: Any) -> Any:
     """A vLLM ``KVTransferConfig`` that runs the kvspec connector ``factory``
-    (``"pkg.module:Factory"``) through :class:`KVSpecConnector`.
+    (``"pkg.module:Factory"``) through ``KVSpecConnector``.
 
     ``kv_role`` is vLLM's (``"kv_producer"``, ``"kv_consumer"`` or ``"kv_both"``);
     ``extra`` becomes the factory's ``EngineConfigView.extra``. ``kv_load_failure_policy``

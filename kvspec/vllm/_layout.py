@@ -1,9 +1,9 @@
-"""vLLM's KV-cache tensors as a kvspec :class:`KVCacheLayout`, and the layout negotiation.
+"""vLLM's KV-cache tensors as a kvspec ``KVCacheLayout``, and the layout negotiation.
 
 vLLM hands ``register_kv_caches`` one tensor per attention layer, all views into one
 buffer. Their shape depends on the attention backend: ``[B, H, N, 2*D]`` on vLLM-CPU (K and
 V concatenated in the last dim, kernel-packed pages: K transposed, then V), ``[2, B, N, H,
-D]`` for split-K/V GPU backends (any stride order). :func:`describe_kv_caches` turns them
+D]`` for split-K/V GPU backends (any stride order). ``describe_kv_caches`` turns them
 into kvspec's storage shape (a view, never a copy: LAY-009) and the descriptor that is true
 of them (LAY-006, LAY-014), after checking the layout with the connector's offer (LAY-010).
 No vLLM import: the tensors and sizes are passed in.

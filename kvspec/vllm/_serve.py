@@ -1,4 +1,4 @@
-"""One vLLM engine in this process, driven by JSON lines on stdin (see :mod:`kvspec.vllm.engine`).
+"""One vLLM engine in this process, driven by JSON lines on stdin (see ``kvspec.vllm.engine``).
 
 Run as ``python -m kvspec.vllm._serve``; the first line is the engine spec, each later line a
 command; each answer is one stdout line starting with ``KVSPEC-RESULT`` followed by JSON

@@ -4,7 +4,7 @@ The adapter is configured the vLLM way, through ``KVTransferConfig``; its own ke
 ``kv_connector_extra_config`` next to the connector's settings:
 
 * ``kvspec_factory`` (required): ``"pkg.module:Factory"``, the kvspec connector to run;
-* everything else passes through, unchanged, as :attr:`EngineConfigView.extra`.
+* everything else passes through, unchanged, as ``EngineConfigView.extra``.
 
 Nothing here imports vLLM: the functions take the config objects vLLM hands the connector
 and read plain attributes off them, so they can be checked with any object of that shape.
@@ -78,7 +78,7 @@ def factory_from_extra(extra: object) -> ConnectorFactory:
 
 
 def transfer_role(kv_role: object) -> TransferRole:
-    """vLLM's ``kv_role`` as a :class:`TransferRole`.
+    """vLLM's ``kv_role`` as a ``TransferRole``.
 
     Raises:
         InvalidArgumentError: ``kv_role`` is not one of vLLM's three roles.
@@ -101,7 +101,7 @@ def _positive(name: str, value: object) -> int:
 
 
 def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigView:
-    """The :class:`EngineConfigView` of a vLLM engine, from its ``VllmConfig`` and
+    """The ``EngineConfigView`` of a vLLM engine, from its ``VllmConfig`` and
     ``KVCacheConfig`` (the two objects vLLM passes a connector's constructor).
 
     ``num_layers`` counts the attention layers of every KV-cache group, ``num_blocks`` is

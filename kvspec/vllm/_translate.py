@@ -57,7 +57,7 @@ _NONE: dict[int, AllocatedBlocks] = {}
 
 def allocated_blocks(block_ids: Iterable[Iterable[int]] | None, groups: int) -> AllocatedBlocks:
     """Per-group block ids (vLLM's ``tuple[list[int], ...]``, or None for "no new
-    blocks") as :class:`AllocatedBlocks`. The empty value is immutable and shared."""
+    blocks") as ``AllocatedBlocks``. The empty value is immutable and shared."""
     if block_ids is None or not any(block_ids):
         empty = _NONE.get(groups)
         if empty is None:
@@ -67,7 +67,7 @@ def allocated_blocks(block_ids: Iterable[Iterable[int]] | None, groups: int) -> 
 
 
 class RequestCache:
-    """The :class:`RequestView` of each live vLLM request, rebuilt only when it changed.
+    """The ``RequestView`` of each live vLLM request, rebuilt only when it changed.
 
     A view copies the prompt and the block hashes; a scheduler calls several hooks per
     request per step, so the adapter keeps the last view per request id and reuses it while
@@ -130,7 +130,7 @@ class RequestCache:
         return len(self._views)
 
     def scheduler_output(self, so: Any, step_id: int, groups: int) -> SchedulerOutputView:
-        """A vLLM ``SchedulerOutput`` as a :class:`SchedulerOutputView` of step
+        """A vLLM ``SchedulerOutput`` as a ``SchedulerOutputView`` of step
         ``step_id``. New requests use the request's last view (block hashes included),
         updated with the step's computed-token count."""
         new = []

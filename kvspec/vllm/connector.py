@@ -216,7 +216,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return False
 
     def unregister_kv_caches(self) -> None:
-        """vLLM 0.33; never called, since :meth:`supports_sleep_mode` is False.
+        """vLLM 0.33; never called, since ``supports_sleep_mode`` is False.
 
         Raises:
             UnsupportedOperationError: always (WRK-001).
@@ -227,7 +227,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def restore_kv_caches(self) -> None:
-        """vLLM 0.33; never called, since :meth:`supports_sleep_mode` is False.
+        """vLLM 0.33; never called, since ``supports_sleep_mode`` is False.
 
         Raises:
             UnsupportedOperationError: always (WRK-001).
@@ -420,7 +420,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """HMA engines' form of :meth:`request_finished`: the first group's blocks."""
+        """HMA engines' form of ``request_finished``: the first group's blocks."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def update_connector_output(self, connector_output: Any) -> None:

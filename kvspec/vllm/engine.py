@@ -2,9 +2,9 @@
 
 vLLM run in-process rewrites ``os.environ`` and torch's threading of its host, so every
 engine the tests, ``kvspec demo vllm`` and ``kvspec bench vllm`` start runs in its own
-process (:mod:`kvspec.vllm._serve`), under the interpreter of an environment where vLLM is
-installed (:func:`vllm_python`). Every wait is bounded: a command that does not answer in
-time raises :class:`EngineError` and the process is killed on close.
+process (``kvspec.vllm._serve``), under the interpreter of an environment where vLLM is
+installed (``vllm_python``). Every wait is bounded: a command that does not answer in
+time raises ``EngineError`` and the process is killed on close.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ def vllm_python() -> str | None:
 
 
 class EngineProcess:
-    """One vLLM engine (:mod:`kvspec.vllm._serve`) in a child process.
+    """One vLLM engine (``kvspec.vllm._serve``) in a child process.
 
     Args:
         spec: The engine spec (``factory``, ``kv_role``, ``extra``, ``block_size``, ...;
-            see :mod:`kvspec.vllm._serve`).
-        python: The interpreter to run it with (default :func:`vllm_python`).
+            see ``kvspec.vllm._serve``).
+        python: The interpreter to run it with (default ``vllm_python``).
         env: Extra environment variables for the child.
         log: Where the child's own output goes (a file), default discarded.
         start_timeout_s: How long the engine may take to start.
@@ -183,12 +183,12 @@ class EngineProcess:
 
     def pause(self) -> None:
         """Stop the engine process (SIGSTOP) so it takes no CPU while others are measured;
-        :meth:`resume` continues it. A paused engine answers nothing."""
+        ``resume`` continues it. A paused engine answers nothing."""
         if self._proc.poll() is None:
             os.kill(self._proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        """Continue an engine stopped by :meth:`pause` (SIGCONT)."""
+        """Continue an engine stopped by ``pause`` (SIGCONT)."""
         if self._proc.poll() is None:
             os.kill(self._proc.pid, signal.SIGCONT)
 

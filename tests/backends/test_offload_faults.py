@@ -63,7 +63,7 @@ def _fds() -> int:
 
 class _Hang:
     """Arms copies to hang: the first copy of an armed direction blocks until
-    :meth:`release` (a stuck device); later copies run normally."""
+    ``release`` (a stuck device); later copies run normally."""
 
     def __init__(self) -> None:
         self.events = {"store": threading.Event(), "load": threading.Event()}

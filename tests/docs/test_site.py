@@ -223,3 +223,13 @@ def test_diagrams_render_offline_in_a_headless_browser(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_docstrings_hold_no_sphinx_roles() -> None:
+    """Docstrings are read in three places: the reference site, ``--help`` and ``pytest
+    --fixtures`` / ``help()``. A Sphinx role (``:class:`X```) renders only in the first, so
+    none is used: code is written as double-backquoted literals everywhere."""
+    role = re.compile(r":(?:py:)?(?:class|meth|func|data|mod|attr|exc|obj|const):`")
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "kvspec").rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) if role.search(line)]
+    assert not found, f"Sphinx roles in {found[:10]}"

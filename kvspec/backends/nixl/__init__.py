@@ -1,13 +1,13 @@
 """The reference NIXL backend for prefill/decode disaggregation:
 ``kvspec.backends.nixl:NixlConnector`` (name ``"nixl"``).
 
-The connector's roles (:class:`NixlScheduler`, :class:`NixlWorker`, their
-:class:`NixlMetadata`, :class:`NixlSettings`) sit on the transport layer:
-:class:`NixlEndpoint` (one agent, one
+The connector's roles (``NixlScheduler``, ``NixlWorker``, their
+``NixlMetadata``, ``NixlSettings``) sit on the transport layer:
+``NixlEndpoint`` (one agent, one
 registered KV region, prepared descriptor lists, READs with notifications, deadlines),
-the plain-data handshake description :class:`PeerInfo` and the descriptor geometry
-:class:`BlockGeometry`. Importing it does not import ``nixl``; constructing an endpoint
-does (:class:`NixlUnavailableError` without it).
+the plain-data handshake description ``PeerInfo`` and the descriptor geometry
+``BlockGeometry``. Importing it does not import ``nixl``; constructing an endpoint
+does (``NixlUnavailableError`` without it).
 """
 
 from ._descriptors import (

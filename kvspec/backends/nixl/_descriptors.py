@@ -1,8 +1,8 @@
 """Block descriptor geometry and the plain-data peer description of the NIXL backend.
 
-Nothing here imports NIXL: the geometry turns a :class:`~kvspec.protocols.KVCacheLayout`
+Nothing here imports NIXL: the geometry turns a ``KVCacheLayout``
 into the rows of a NIXL descriptor array (``address, length, device id``), and
-:class:`PeerInfo` is what one rank tells its peers at handshake, encoded as JSON of ints and
+``PeerInfo`` is what one rank tells its peers at handshake, encoded as JSON of ints and
 strings (HSK-001) and decoded defensively (HSK-005). NIXL's own ``get_serialized_descs`` /
 ``deserialize_descs`` pickle, so descriptors never travel that way: a peer rebuilds the
 remote descriptor rows from the geometry it received.
@@ -10,8 +10,8 @@ remote descriptor rows from the geometry it received.
 Descriptor granularity (LAY-013): a block that is one contiguous region (an unpadded
 block-outermost layout) gets one descriptor; otherwise one descriptor per (region, block),
 e.g. one per layer and block for NHD/HND. A caller may instead give the byte runs of a block
-to move (:data:`BlockRuns`), e.g. a decode rank that reads half of the heads of a
-producer's HND page under heterogeneous TP (:func:`~kvspec.backends.nixl._heads.head_runs`):
+to move (``BlockRuns``), e.g. a decode rank that reads half of the heads of a
+producer's HND page under heterogeneous TP (``head_runs``):
 each run ``(offset, nbytes)`` of block 0, inside one region, is one descriptor per block.
 """
 
@@ -151,7 +151,7 @@ class BlockGeometry:
 
     @property
     def region_runs(self) -> BlockRuns:
-        """Block 0's whole regions as runs: the default of :meth:`check_runs`."""
+        """Block 0's whole regions as runs: the default of ``check_runs``."""
         return tuple((offset, self.region_nbytes) for offset in self.region_offsets)
 
     def check_runs(self, runs: BlockRuns | None) -> BlockRuns:
@@ -275,7 +275,7 @@ class BlockGeometry:
 def descriptor_indices(
     block_ids: npt.NDArray[np.int64], per_block: int, num_blocks: int
 ) -> npt.NDArray[np.int32]:
-    """Indices into a run-major prepared list (:meth:`BlockGeometry.descriptor_rows`) of
+    """Indices into a run-major prepared list (``BlockGeometry.descriptor_rows``) of
     the descriptors of ``block_ids``, run outer and block inner, so that runs of
     consecutive block ids on both sides are consecutive indices NIXL can merge."""
     slots = np.arange(per_block, dtype=np.int64) * num_blocks
@@ -298,7 +298,7 @@ class LayoutSummary:
         head_size_k: Channels of K per head.
         head_size_v: Channels of V per head.
         strides: Element strides of the storage dims in logical order, as in
-            :attr:`~kvspec.protocols.KVCacheLayout.strides`. Not compared: peers with
+            ``strides``. Not compared: peers with
             different padding or capacity exchange KV alike.
     """
 
@@ -386,12 +386,12 @@ class PeerInfo:
         }
 
     def encode(self) -> bytes:
-        """UTF-8 JSON of :meth:`to_json` (HSK-001)."""
+        """UTF-8 JSON of ``to_json`` (HSK-001)."""
         return json.dumps(self.to_json(), sort_keys=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> PeerInfo:
-        """Decode :meth:`encode` output (HSK-001, HSK-005).
+        """Decode ``encode`` output (HSK-001, HSK-005).
 
         Raises:
             MalformedMetadataError: not UTF-8 JSON of the expected shape.
@@ -410,7 +410,7 @@ class PeerInfo:
 
     @classmethod
     def from_json(cls, obj: object) -> PeerInfo:
-        """Validate a :meth:`to_json` dict from a peer (HSK-005).
+        """Validate a ``to_json`` dict from a peer (HSK-005).
 
         Raises:
             MalformedMetadataError: a key is missing, extra, of the wrong type or out of range.

@@ -7,7 +7,7 @@ with 2 producer ranks and 1 consumer rank, the consumer reads half of its block 
 with 1 producer rank and 2 consumer ranks, each consumer rank reads half of the producer's
 block.
 
-:func:`head_runs` turns two layouts (:class:`LayoutSummary`, which carries the element
+``head_runs`` turns two layouts (``LayoutSummary``, which carries the element
 strides) and the two head ranges into pairs of byte runs of block 0: the unit of data is one
 head's channels of one token (K and V together for CONCAT, one of them for SPLIT), in one
 layer storage; units that are contiguous on both sides merge into one run. Head-split

@@ -3,7 +3,7 @@
 Prefill/decode disaggregation, as vLLM's NIXL connector does it:
 
 * the **producer** (prefill) engine's ``request_finished`` returns ``kv_transfer_params``
-  naming its engine, the request's full prompt blocks, every rank's :class:`PeerInfo`
+  naming its engine, the request's full prompt blocks, every rank's ``PeerInfo``
   (from the workers' handshake metadata, HSK-002) and a fresh random secret, and holds the blocks (delayed free,
   SCH-016) until its workers report the request in ``finished_sending``: each rank does
   once every consumer rank reading it sent its NIXL notification carrying that secret
@@ -15,8 +15,8 @@ Prefill/decode disaggregation, as vLLM's NIXL connector does it:
   receive with every block of it invalid, and the engine recomputes them (WRK-011, ERR-007).
 
 The engines may run different TP sizes: the hand-off carries every producer rank's
-:class:`PeerInfo`, and each consumer rank reads the producer ranks whose KV heads overlap its
-own (see :mod:`kvspec.backends.nixl._worker`); the model's head counts must agree (HSK-003).
+``PeerInfo``, and each consumer rank reads the producer ranks whose KV heads overlap its
+own (see ``kvspec.backends.nixl._worker``); the model's head counts must agree (HSK-003).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class NixlMetadata:
         peers: Producer engines the workers have not been told about yet: engine id to
             ``{rank: PeerInfo JSON}``.
 
-    Encodes to UTF-8 JSON; :meth:`decode` validates every field (ERR-005, ERR-006).
+    Encodes to UTF-8 JSON; ``decode`` validates every field (ERR-005, ERR-006).
     """
 
     loads: tuple[NixlLoad, ...] = ()
@@ -249,7 +249,7 @@ class NixlMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Decode and validate :meth:`encode` output.
+        """Decode and validate ``encode`` output.
 
         Raises:
             MalformedMetadataError: anything else (ERR-005).
@@ -352,7 +352,7 @@ class NixlScheduler(SchedulerConnector):
     # -- handshake ----------------------------------------------------------------------
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, HandshakeMetadata]) -> None:
-        """Keep every rank's :class:`PeerInfo` (HSK-002), handed to consumers in the
+        """Keep every rank's ``PeerInfo`` (HSK-002), handed to consumers in the
         ``kv_transfer_params`` of each request."""
         self._peers = {r: thaw_params(h.payload.get("peer", {})) for r, h in metadata.items()}
 

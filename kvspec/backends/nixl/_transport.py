@@ -8,10 +8,10 @@ Call order (checked against nixl 1.5.1 over UCX, host memory):
 2. ``register_memory(Nx3 array, mem_type)`` of the one KV region; keep the returned
    ``nixlRegDList`` for ``deregister_memory``.
 3. ``prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem_type)`` once for the local blocks,
-   run-major (:meth:`BlockGeometry.descriptor_rows`): NIXL merges descriptors of a
+   run-major (``BlockGeometry.descriptor_rows``): NIXL merges descriptors of a
    transfer only when their indices are consecutive and their memory contiguous.
 4. Handshake: the peer's ``get_agent_metadata()`` bytes (NIXL's own serializer, never
-   pickle) travel inside :class:`PeerInfo` (JSON); ``add_remote_agent(bytes)`` returns the
+   pickle) travel inside ``PeerInfo`` (JSON); ``add_remote_agent(bytes)`` returns the
    peer's name (as ``bytes``); ``prep_xfer_dlist(name, remote rows, mem_type)`` once per peer.
 5. Per read: ``make_prepped_xfer("READ", local, idx, remote, idx, notif)`` then
    ``transfer(handle)``; ``check_xfer_state`` until ``"DONE"``/``"ERR"``;
@@ -23,7 +23,7 @@ Call order (checked against nixl 1.5.1 over UCX, host memory):
 Faults: a dead peer makes ``transfer``/``check_xfer_state`` *raise*
 (``nixlRemoteDisconnectError``) rather than return ``"ERR"``; a removed peer makes them raise
 ``nixlNotFoundError``; a stalled peer keeps the transfer in ``"PROC"`` forever. All three end
-here as a :attr:`TransferState.FAILED` transfer, the last one at its deadline (ERR-007),
+here as a ``TransferState.FAILED`` transfer, the last one at its deadline (ERR-007),
 and the local blocks of a failed transfer hold partial bytes: report them invalid.
 """
 
@@ -85,7 +85,7 @@ _log = logging.getLogger(__name__)
 class NixlError(KVSpecError):
     """NIXL refused a set-up operation (creating the agent, registering memory, preparing
     descriptor lists, loading a peer's metadata). Transfer faults are not raised: they end
-    as a :attr:`TransferState.FAILED` transfer."""
+    as a ``TransferState.FAILED`` transfer."""
 
 
 class NixlUnavailableError(NixlError, ImportError):
@@ -93,7 +93,7 @@ class NixlUnavailableError(NixlError, ImportError):
 
 
 class EndpointClosedError(NixlError):
-    """The endpoint was used after :meth:`NixlEndpoint.close`."""
+    """The endpoint was used after ``NixlEndpoint.close``."""
 
 
 def load_nixl() -> Any:
@@ -112,7 +112,7 @@ def load_nixl() -> Any:
 
 
 class TransferState(enum.Enum):
-    """Where a :class:`NixlTransfer` is."""
+    """Where a ``NixlTransfer`` is."""
 
     IN_PROGRESS = "in_progress"
     DONE = "done"
@@ -132,7 +132,7 @@ class NixlTransfer:
         deadline: ``clock()`` value after which the transfer is cancelled and failed.
         nbytes: Bytes the transfer moves.
         num_descriptors: Descriptors per side (before NIXL merges adjacent ones).
-        state: Where it is; set by :meth:`NixlEndpoint.poll`.
+        state: Where it is; set by ``NixlEndpoint.poll``.
         reason: Why it failed, when it did.
         timed_out: True when it failed at its deadline.
         posted_descriptors: With ``capture_telemetry``, the descriptors NIXL actually
@@ -160,7 +160,7 @@ class NixlTransfer:
 
 @attrs.frozen
 class NixlResources:
-    """What an endpoint holds, for leak checks: all zero after :meth:`NixlEndpoint.close`.
+    """What an endpoint holds, for leak checks: all zero after ``NixlEndpoint.close``.
 
     Attributes:
         registrations: Registered memory regions.
@@ -218,15 +218,15 @@ class NixlEndpoint:
         name: The agent name, unique among the peers (e.g. ``f"{engine_id}-rank{rank}"``).
         buffer: A tensor whose first byte is byte offset 0 of ``layout`` and whose storage
             holds at least ``layout.span_bytes`` from there (host or CUDA memory). Any view
-            works, e.g. :meth:`KVCacheLayout.view` of a flat buffer; it is never
+            works, e.g. ``KVCacheLayout.view`` of a flat buffer; it is never
             re-strided (LAY-009).
         layout: The layout of the KV cache in ``buffer``.
         spec_version: The kvspec spec version the connector implements
-            (``kvspec.spec.SPEC_VERSION``), announced in :attr:`info` and compared at
+            (``kvspec.spec.SPEC_VERSION``), announced in ``info`` and compared at
             handshake (HSK-003). A parameter because backends import only
-            :mod:`kvspec.protocols`.
+            ``kvspec.protocols``.
         runs: The byte runs of a block to build the default local descriptor list from
-            (None: whole regions). See :data:`~kvspec.backends.nixl.BlockRuns`.
+            (None: whole regions). See ``BlockRuns``.
         backends: NIXL backends to create.
         clock: The clock of transfer deadlines (seconds, monotonic).
         progress_thread: Run NIXL's progress thread (the default). A rank whose blocks
@@ -234,7 +234,7 @@ class NixlEndpoint:
             progress until it calls into NIXL. A rank that only reads may turn it off
             (polling progresses its transfers); the thread busy-polls a core.
         capture_telemetry: Ask NIXL for per-transfer telemetry and record the posted
-            descriptor count in :attr:`NixlTransfer.posted_descriptors` (benchmarks).
+            descriptor count in ``NixlTransfer.posted_descriptors`` (benchmarks).
 
     Raises:
         NixlUnavailableError: nixl is not installed.
@@ -365,7 +365,7 @@ class NixlEndpoint:
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`close`."""
+        """True after ``close``."""
         return self._closed
 
     @property
@@ -409,10 +409,10 @@ class NixlEndpoint:
         the endpoint's runs locally, whole regions remotely); the two sides must then give
         the same number of descriptors per block with the same lengths. With runs given
         the head counts may differ (heterogeneous TP, see
-        :func:`~kvspec.backends.nixl._heads.head_runs`).
+        ``head_runs``).
 
         Returns:
-            The peer's agent name, to pass to :meth:`start_read`.
+            The peer's agent name, to pass to ``start_read``.
 
         Raises:
             InvalidArgumentError: ``info`` is not a PeerInfo, names this agent or a peer

@@ -1,13 +1,13 @@
 """The worker role of the NIXL backend: one NIXL agent per rank, READs and notifications.
 
-``register_kv_caches`` registers the rank's KV buffer once with a :class:`NixlEndpoint`
+``register_kv_caches`` registers the rank's KV buffer once with a ``NixlEndpoint``
 (descriptors prepared once, one per block for block-outermost layouts, LAY-013); its
-:class:`PeerInfo` travels as the rank's handshake metadata (HSK-001, HSK-002).
+``PeerInfo`` travels as the rank's handshake metadata (HSK-001, HSK-002).
 
 * Consumer: the first load from a producer engine adds, as peers, the producer ranks
   whose KV heads overlap this rank's (their NIXL agent metadata, compatibility checked,
   HSK-003): the rank of the same index when both engines run the same TP size; with
-  heterogeneous TP (:mod:`._heads`) several producer ranks, each for its share of the
+  heterogeneous TP (``._heads``) several producer ranks, each for its share of the
   heads (2 -> 1), or one producer rank of which this rank reads its share (1 -> 2). A load
   is one prepared READ per such producer rank, started in ``start_load_kv`` (WRK-004) and
   polled by ``get_finished``; the request is reported once all of them finished. When one
@@ -187,7 +187,7 @@ class NixlWorker(WorkerConnector):
         )
 
     def get_handshake_metadata(self) -> HandshakeMetadata | None:
-        """The rank's :class:`PeerInfo` (NIXL agent metadata, region, block geometry) as
+        """The rank's ``PeerInfo`` (NIXL agent metadata, region, block geometry) as
         plain data (HSK-001, HSK-002); None before registration."""
         endpoint = self.endpoint
         if endpoint is None:
@@ -206,7 +206,7 @@ class NixlWorker(WorkerConnector):
         """Bind the step's metadata (WRK-003).
 
         Raises:
-            InvalidArgumentError: ``metadata`` is not :class:`NixlMetadata`.
+            InvalidArgumentError: ``metadata`` is not ``NixlMetadata``.
         """
         self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
         self._started = False

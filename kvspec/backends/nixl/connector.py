@@ -29,7 +29,7 @@ class NixlConnector(ConnectorFactory):
     """Factory of the NIXL backend (name ``"nixl"``): prefill/decode disaggregation over
     NIXL. Configure the engine's ``role`` as ``PRODUCER`` (prefill) or ``CONSUMER``
     (decode); with ``BOTH`` a request is handed off only when its ``kv_transfer_params``
-    say ``{"do_remote_decode": True}``. Settings: :class:`~kvspec.backends.nixl.NixlSettings`.
+    say ``{"do_remote_decode": True}``. Settings: ``NixlSettings``.
     Holds no state."""
 
     scheduler_class: ClassVar[type[NixlScheduler]] = NixlScheduler
@@ -58,9 +58,9 @@ class NixlConnector(ConnectorFactory):
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        """Build the scheduler role (:attr:`scheduler_class`)."""
+        """Build the scheduler role (``scheduler_class``)."""
         return self.scheduler_class(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
-        """Build the worker role of ``rank`` (:attr:`worker_class`)."""
+        """Build the worker role of ``rank`` (``worker_class``)."""
         return self.worker_class(config, rank)

@@ -3,17 +3,17 @@
 The reference offloading connector (``kvspec.backends.offload:OffloadConnector``, name
 ``"offload"``), in the spirit of LMCache's CPU backend and vLLM's OffloadingConnector:
 
-* the scheduler role (:class:`OffloadScheduler`) looks up the longest stored prefix by the
+* the scheduler role (``OffloadScheduler``) looks up the longest stored prefix by the
   engine's chained, salted block hashes (SCH-020) with the matching rules of SCH-001 and
   SCH-004..007, places each stored block in a slot of the host pools, evicts with LRU or
-  ARC (:class:`LRUPolicy`, :class:`ARCPolicy`) under the slot budget, pins the slots of
+  ARC (``LRUPolicy``, ``ARCPolicy``) under the slot budget, pins the slots of
   in-flight loads, defers stores to ``request_finished`` with a delayed free (SCH-016) and
   emits ``BlockStored`` / ``BlockRemoved`` events (EVT-004, EVT-005);
-* each rank's worker role (:class:`OffloadWorker`) allocates its :class:`HostPool` once in
+* each rank's worker role (``OffloadWorker``) allocates its ``HostPool`` once in
   ``register_kv_caches`` and moves blocks with vectorised gathers/scatters on a background
   thread, reporting failed loads as invalid blocks (WRK-011) and stats (EVT-006).
 
-Configuration: :class:`OffloadSettings` (``config.extra``: ``offload_bytes``,
+Configuration: ``OffloadSettings`` (``config.extra``: ``offload_bytes``,
 ``offload_slots``, ``eviction``, ``io_timeout_s``, ``load_delay_s``, ``load_fault_rate``,
 ``fault_seed``).
 """

@@ -3,9 +3,9 @@
 The scheduler role owns the host pool's slot map; a policy only orders the resident keys
 and picks victims. Capacity is counted in slots (blocks), which is the byte budget per rank
 divided by the bytes of one block on that rank: ``capacity * bytes_per_block`` never exceeds
-the budget (checked by the worker, see :mod:`kvspec.backends.offload._pool`). A victim is
+the budget (checked by the worker, see ``kvspec.backends.offload._pool``). A victim is
 never a pinned key: the caller says which keys are pinned (blocks whose loads are in flight,
-WRK-013), and :meth:`EvictionPolicy.evict` returns None when every resident key is pinned.
+WRK-013), and ``EvictionPolicy.evict`` returns None when every resident key is pinned.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ __all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
 
 
 class EvictionPolicy(ABC):
-    """Orders resident keys and picks eviction victims, for at most :attr:`capacity` keys.
+    """Orders resident keys and picks eviction victims, for at most ``capacity`` keys.
 
-    Calls: :meth:`insert` when a key becomes resident (its store completed), :meth:`touch`
-    on a hit (a load planned from it), :meth:`evict` to pick and remove a victim,
-    :meth:`remove` when a key is dropped for another reason (a failed load).
+    Calls: ``insert`` when a key becomes resident (its store completed), ``touch``
+    on a hit (a load planned from it), ``evict`` to pick and remove a victim,
+    ``remove`` when a key is dropped for another reason (a failed load).
 
     Raises:
         InvalidArgumentError: ``capacity`` is not an int >= 1.
@@ -41,19 +41,19 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: bytes) -> None:
         """Make ``key`` resident. The caller has made room: inserting beyond
-        :attr:`capacity` raises InvalidArgumentError."""
+        ``capacity`` raises InvalidArgumentError."""
 
     @abstractmethod
     def touch(self, key: bytes) -> None:
         """Record a hit on resident ``key``; unknown keys are ignored."""
 
     def insert_many(self, keys: Sequence[bytes]) -> None:
-        """:meth:`insert` each of ``keys``, in order (policies may do it in bulk)."""
+        """``insert`` each of ``keys``, in order (policies may do it in bulk)."""
         for key in keys:
             self.insert(key)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
-        """:meth:`touch` each of ``keys``, in order (policies may do it in bulk)."""
+        """``touch`` each of ``keys``, in order (policies may do it in bulk)."""
         for key in keys:
             self.touch(key)
 
@@ -74,7 +74,7 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __len__(self) -> int:
-        """The number of resident keys (never above :attr:`capacity`)."""
+        """The number of resident keys (never above ``capacity``)."""
 
     @abstractmethod
     def __iter__(self) -> Iterator[bytes]:
@@ -157,8 +157,8 @@ class ARCPolicy(EvictionPolicy):
 
     ``T1`` holds keys seen once recently, ``T2`` keys hit at least twice; the ghost lists
     ``B1`` and ``B2`` remember keys recently evicted from each. A miss on a ghost of ``B1``
-    grows the target size :attr:`p` of ``T1`` (recency pays), one on ``B2`` shrinks it
-    (frequency pays). Victims come from ``T1`` while it exceeds :attr:`p`, else from ``T2``,
+    grows the target size ``p`` of ``T1`` (recency pays), one on ``B2`` shrinks it
+    (frequency pays). Victims come from ``T1`` while it exceeds ``p``, else from ``T2``,
     skipping pinned keys (falling back to the other list when one holds only pinned keys).
     """
 
@@ -192,7 +192,7 @@ class ARCPolicy(EvictionPolicy):
             self.p = max(0.0, self.p - delta)
 
     def insert(self, key: bytes) -> None:
-        """Make ``key`` resident: in ``T2`` if it is a ghost (adapting :attr:`p`), else in
+        """Make ``key`` resident: in ``T2`` if it is a ghost (adapting ``p``), else in
         ``T1``. Ghost lists are trimmed to the capacity."""
         self._check_room(key)
         if key in self._t1 or key in self._t2:
@@ -226,9 +226,9 @@ class ARCPolicy(EvictionPolicy):
             self._t2.move_to_end(key)
 
     def evict(self, is_pinned: Callable[[bytes], bool], incoming: bytes | None = None) -> bytes | None:
-        """ARC's REPLACE: evict from ``T1`` when it exceeds :attr:`p` (or equals it and
+        """ARC's REPLACE: evict from ``T1`` when it exceeds ``p`` (or equals it and
         ``incoming`` is a ghost of ``B2``), else from ``T2``; the victim becomes a ghost.
-        A ghost ``incoming`` adapts :attr:`p` first, once (its later insert does not)."""
+        A ghost ``incoming`` adapts ``p`` first, once (its later insert does not)."""
         if incoming is not None and incoming not in self._adapted and (
             incoming in self._b1 or incoming in self._b2
         ):

@@ -6,18 +6,18 @@ The pool is one contiguous tensor of ``slots * bytes_per_block`` bytes, allocate
 copied (LAY-004).
 
 The KV caches are reached through one flat view of the buffer behind the layer tensors,
-starting at layer 0's first byte, so that :meth:`KVCacheLayout.block_region_offsets` are
+starting at layer 0's first byte, so that ``KVCacheLayout.block_region_offsets`` are
 indices into it (LAY-006). Both sides are viewed with the widest element (16, 8, 4, 2 or 1
 bytes) that divides the region size, every region offset, the block stride and layer 0's
 byte offset: PyTorch's indexed copies move one element per inner-loop step, so copying
 4 KiB regions as 256 sixteen-byte elements instead of 4096 bytes is what makes them run at
 memory speed. Bytes are copied, never interpreted (no arithmetic, no NaN canonicalisation).
 
-A job is planned once (:meth:`HostPool.plan`): the range checks, the index of the regions
+A job is planned once (``HostPool.plan``): the range checks, the index of the regions
 to move, and the runs of consecutive slots. Each run then moves with one indexed op per
 direction, never a Python loop over layers or blocks: ``index_select`` into the pool's
 rows (store) and ``index_copy_`` from them (load), on one of three paths
-(:attr:`HostPool.path`):
+(``HostPool.path``):
 
 ``"block"``
     one region per block (unpadded block-outermost layouts, LAY-013): a
@@ -107,7 +107,7 @@ class CopyPlan:
     Attributes:
         block_ids: Engine blocks, in job order.
         slots: Pool slots, pairwise with ``block_ids``.
-        index: The index into :attr:`HostPool.path`'s view of the KV caches,
+        index: The index into ``HostPool.path``'s view of the KV caches,
             ``entries_per_block`` entries per block, in job order.
         runs: ``(first slot, first job position, length)`` per run of consecutive slots;
             one indexed op per run and direction.

@@ -3,7 +3,7 @@ turn into a hang of the engine.
 
 ``concurrent.futures.ThreadPoolExecutor`` would do the queueing, but its threads are joined
 when the interpreter exits: one copy stuck on a device would keep the engine process from
-ever exiting. This thread is a daemon; :meth:`Runner.close` waits for it a bounded time and
+ever exiting. This thread is a daemon; ``Runner.close`` waits for it a bounded time and
 says whether it ended, so the caller can name what it could not stop.
 """
 
@@ -29,7 +29,7 @@ class Runner:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        """The thread (alive until :meth:`close` and the call it runs, if any, ended)."""
+        """The thread (alive until ``close`` and the call it runs, if any, ended)."""
         self.thread.start()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:

@@ -3,7 +3,7 @@
 The scheduler role owns placement: it maps each stored block (keyed by the engine's chained,
 salted block hash, SCH-020) to a slot of the workers' host pools, evicts under the slot
 budget with LRU or ARC, pins the slots of in-flight loads, and tells the workers, in the
-step's :class:`OffloadMetadata`, "store block b into slot s" and "load slot s into block b".
+step's ``OffloadMetadata``, "store block b into slot s" and "load slot s into block b".
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ class OffloadMetadata:
         aborted_loads: Requests finished while their load was in flight (SCH-021); the
             workers still report each in ``finished_recving`` once.
 
-    Encodes to a JSON header and int64 columns (:meth:`encode`); :meth:`decode` accepts
+    Encodes to a JSON header and int64 columns (``encode``); ``decode`` accepts
     exactly that and validates every field (ERR-005, ERR-006).
 
     Raises:
@@ -372,10 +372,10 @@ class OffloadMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Decode and validate bytes from :meth:`encode`.
+        """Decode and validate bytes from ``encode``.
 
         Raises:
-            MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or a
+            MalformedMetadataError: ``data`` is not exactly what ``encode`` writes, or a
                 field is out of range (ERR-005).
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -467,7 +467,7 @@ class FailedStores:
 
     @classmethod
     def decode(cls, data: bytes) -> FailedStores:
-        """Decode :meth:`encode` output.
+        """Decode ``encode`` output.
 
         Raises:
             MalformedMetadataError: anything else (ERR-005).
@@ -886,7 +886,7 @@ class OffloadScheduler(SchedulerConnector):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Make the stores in ``finished_sending`` stored (queueing ``BlockStored``), except
-        those a rank reported failed (:class:`FailedStores`: their slots are freed and
+        those a rank reported failed (``FailedStores``: their slots are freed and
         nothing is advertised), and
         unpin the loads in ``finished_recving``, dropping the blocks of failed loads named in
         ``invalid_block_ids`` (all of the load's blocks if none is named).

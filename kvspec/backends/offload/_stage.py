@@ -13,7 +13,7 @@ persistent buffers, so it can be captured in a CUDA graph and replayed (GRA-004,
 ``save_kv_layer`` gathers the layer's ``S`` blocks along the block dim and writes them at the
 layer's positions in each staged block: one slice copy when the layer's bytes are one run
 of the slot (layer-major layouts), else one column scatter with a position index built at
-registration. After the forward, :meth:`SaveStage.drain` copies the first ``n`` staged rows
+registration. After the forward, ``SaveStage.drain`` copies the first ``n`` staged rows
 into the pool's slots, one contiguous copy per run of consecutive slots.
 
 Blocks stored this way are held by the engine's delayed free until reported (SCH-016), so
@@ -114,7 +114,7 @@ class SaveStage:
             positions = which * region + (flat - starts[which])
             self._layers[name] = _Layer(_bits(tensor), dim, positions, len(seen) - 1)
         self.saved = torch.zeros(len(seen), dtype=torch.int32, device=device)
-        """Persistent: 1 for each layer storage whose hook ran since :meth:`fill` (set by
+        """Persistent: 1 for each layer storage whose hook ran since ``fill`` (set by
         the hook itself, so a replayed graph sets it too)."""
         self._batch: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
@@ -129,7 +129,7 @@ class SaveStage:
         return len(self._batch[0])
 
     def fill(self, block_ids: tuple[int, ...], slots: tuple[int, ...]) -> None:
-        """Point ``save_idx`` at this forward's ``block_ids`` (at most :attr:`size`),
+        """Point ``save_idx`` at this forward's ``block_ids`` (at most ``size``),
         before the forward and outside any captured region (GRA-007)."""
         n = len(block_ids)
         if n > self.size or n != len(slots):
@@ -146,7 +146,7 @@ class SaveStage:
 
     @property
     def complete(self) -> bool:
-        """Whether every layer storage's hook ran since :meth:`fill` (reads the device flags:
+        """Whether every layer storage's hook ran since ``fill`` (reads the device flags:
         call outside captured regions)."""
         return bool(self.saved.all())
 
@@ -188,8 +188,8 @@ class SaveStage:
         slots)`` stored.
 
         Raises:
-            InvalidArgumentError: some layer's hook did not run since :meth:`fill` (check
-                :attr:`complete` first).
+            InvalidArgumentError: some layer's hook did not run since ``fill`` (check
+                ``complete`` first).
         """
         block_ids, slots = self._batch
         if block_ids and not self.complete:

@@ -1,8 +1,8 @@
 """The worker role of the offloading backend: the host pool and its background transfers.
 
-One background thread per worker (a daemon :class:`~._runner.Runner`) runs the step's stores
+One background thread per worker (a daemon ``Runner``) runs the step's stores
 and loads in submission order, each as one vectorised gather/scatter
-(:class:`~kvspec.backends.offload._pool.HostPool`). Stores read the engine's blocks in the
+(``HostPool``). Stores read the engine's blocks in the
 background: a running request holds its blocks, a finished one holds them by a delayed free
 until ``finished_sending`` (SCH-016), and ``handle_preemptions`` waits for (or stops) the
 copies of preempted requests before their blocks are reused (WRK-012), so ``wait_for_save``
@@ -95,7 +95,7 @@ class OffloadWorker(WorkerConnector):
         self.store_path = store_path
         """``"background"``: stores gathered by the background thread; ``"layerwise"``:
         gathered by capturable ``save_kv_layer`` hooks into a staging buffer
-        (:mod:`kvspec.backends.offload._stage`)."""
+        (``kvspec.backends.offload._stage``)."""
         self._stage: SaveStage | None = None
         self._save_queue: collections.deque[list[Any]] = collections.deque()  # [_Job, next]
         self._staged: list[tuple[_Job, int, int]] = []  # this forward's (job, start, end)
@@ -172,7 +172,7 @@ class OffloadWorker(WorkerConnector):
         """Bind the step's metadata (WRK-003).
 
         Raises:
-            InvalidArgumentError: ``metadata`` is not :class:`OffloadMetadata`.
+            InvalidArgumentError: ``metadata`` is not ``OffloadMetadata``.
         """
         self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
         self._started = False
@@ -486,7 +486,7 @@ class OffloadWorker(WorkerConnector):
 
     def _cancel(self, j: _Job) -> None:
         """Cancel ``j`` without waiting: a copy not started never starts; one running is
-        left to end on its own (its result is discarded, :meth:`_late`) and wedges the
+        left to end on its own (its result is discarded, ``_late``) and wedges the
         worker until then."""
         j.cancelled.set()
         if j.future is not None:
@@ -598,7 +598,7 @@ class OffloadWorker(WorkerConnector):
         return ConnectorStats(counters) if any(counters.values()) else None
 
     def build_connector_worker_meta(self) -> SupportsAggregate | None:
-        """The stores that failed since the last call (:class:`FailedStores`), or None
+        """The stores that failed since the last call (``FailedStores``), or None
         (WRK-016): the scheduler role must not advertise or match them."""
         if not self._failed_stores:
             return None

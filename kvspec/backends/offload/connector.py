@@ -30,11 +30,11 @@ __all__ = ["LayerwiseOffloadConnector", "OffloadConnector"]
 class OffloadConnector(ConnectorFactory):
     """Factory of the offloading backend (name ``"offload"``).
 
-    The scheduler role (:class:`~kvspec.backends.offload.OffloadScheduler`) places blocks in
+    The scheduler role (``OffloadScheduler``) places blocks in
     the workers' host pools and evicts with LRU or ARC; each rank's worker role
-    (:class:`~kvspec.backends.offload.OffloadWorker`) holds its pool and moves blocks with
+    (``OffloadWorker``) holds its pool and moves blocks with
     vectorised gathers and scatters on one background thread. Configuration is read from
-    ``config.extra`` (:class:`~kvspec.backends.offload.OffloadSettings`). Holds no state.
+    ``config.extra`` (``OffloadSettings``). Holds no state.
     """
 
     scheduler_class: ClassVar[type[OffloadScheduler]] = OffloadScheduler
@@ -61,11 +61,11 @@ class OffloadConnector(ConnectorFactory):
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        """Build the scheduler role (:attr:`scheduler_class`)."""
+        """Build the scheduler role (``scheduler_class``)."""
         return self.scheduler_class(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
-        """Build the worker role of ``rank`` (:attr:`worker_class`)."""
+        """Build the worker role of ``rank`` (``worker_class``)."""
         return self.worker_class(config, rank)
 
 
@@ -73,9 +73,9 @@ class LayerwiseOffloadConnector(OffloadConnector):
     """The offloading backend with the capturable per-layer store path (name
     ``"offload-layerwise"``): stores are gathered inside the forward by ``save_kv_layer``
     into a persistent device staging buffer, from a persistent index filled before the
-    forward, and copied into the host pool after it (:mod:`kvspec.backends.offload._stage`).
+    forward, and copied into the host pool after it (``kvspec.backends.offload._stage``).
     Declares ``CAPTURABLE`` hooks, so FULL graphs keep them (GRA-010); everything else as
-    :class:`OffloadConnector`."""
+    ``OffloadConnector``."""
 
     @property
     def name(self) -> str:
@@ -84,7 +84,7 @@ class LayerwiseOffloadConnector(OffloadConnector):
 
     @property
     def capabilities(self) -> Capabilities:
-        """As :class:`OffloadConnector`, with ``CAPTURABLE`` per-layer hooks."""
+        """As ``OffloadConnector``, with ``CAPTURABLE`` per-layer hooks."""
         return attrs.evolve(super().capabilities, layer_hooks=HookGraphMode.CAPTURABLE)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:

@@ -1,14 +1,14 @@
 """Example connectors: a null connector, a shared-storage connector and broken variants.
 
-* :class:`NullConnector` (``kvspec.conformance.connectors:NullConnector``) moves nothing
+* ``NullConnector`` (``kvspec.conformance.connectors:NullConnector``) moves nothing
   and conforms: the baseline.
-* :class:`SharedStorageConnector` (``kvspec.conformance.connectors:SharedStorageConnector``)
+* ``SharedStorageConnector`` (``kvspec.conformance.connectors:SharedStorageConnector``)
   saves finished requests' blocks to files in a shared directory and loads them
   asynchronously: async loads, delayed free, failed loads as invalid blocks.
-* :class:`LayerwiseStorageConnector` stores the same files with capturable per-layer hooks:
+* ``LayerwiseStorageConnector`` stores the same files with capturable per-layer hooks:
   pure device work on persistent buffers, safe to capture in FULL graphs.
-* :data:`BROKEN_GRAPH_CONNECTORS` lists three graph-unsafe variants of it.
-* :data:`BROKEN_CONNECTORS` lists variants of the shared-storage connector that each break
+* ``BROKEN_GRAPH_CONNECTORS`` lists three graph-unsafe variants of it.
+* ``BROKEN_CONNECTORS`` lists variants of the shared-storage connector that each break
   exactly one clause, with that clause, so the conformance suite can prove it catches them.
 """
 

@@ -1,9 +1,9 @@
 """Deliberately broken variants of the shared-storage connector, one clause each.
 
 The conformance suite runs them to prove that it catches each violation: every factory here
-is the :class:`~kvspec.conformance.connectors.shared_storage.SharedStorageConnector` with one
+is the ``SharedStorageConnector`` with one
 behaviour changed, names the clause it breaks in its docstring and in its ``violates`` class
-attribute, and is listed with that clause in :data:`BROKEN_CONNECTORS`. Capabilities are the
+attribute, and is listed with that clause in ``BROKEN_CONNECTORS``. Capabilities are the
 base connector's: each variant claims to conform and does not.
 """
 
@@ -77,10 +77,10 @@ __all__ = [
 ]
 
 GHOST_REQUEST_ID = "ghost-request"
-"""The request id :class:`UnknownReportConnector` reports without being asked."""
+"""The request id ``UnknownReportConnector`` reports without being asked."""
 
 SLOW_LOAD_S = 0.05
-"""The least time a :class:`DropsAbortedRecvConnector` load takes, in seconds."""
+"""The least time a ``DropsAbortedRecvConnector`` load takes, in seconds."""
 
 
 class BrokenConnector(SharedStorageConnector):
@@ -318,7 +318,7 @@ class DropsAbortedRecvConnector(BrokenConnector):
     load was in flight, once the abort reached the worker (the metadata's
     ``aborted_loads``) before the load completed.
 
-    To make the violation observable, every load takes at least :data:`SLOW_LOAD_S`
+    To make the violation observable, every load takes at least ``SLOW_LOAD_S``
     seconds (not a violation in itself), so an abort in the next step finds it in flight.
     """
 
@@ -388,7 +388,7 @@ def _as(meta_type: type[SharedStorageMetadata], meta: ConnectorMetadata) -> Conn
 
 
 class _PickledMetadataScheduler(SharedStorageScheduler):
-    """Builds :class:`_PickledMetadata` (ERR-006)."""
+    """Builds ``_PickledMetadata`` (ERR-006)."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         return _as(_PickledMetadata, super().build_connector_meta(scheduler_output))
@@ -404,7 +404,7 @@ class PickledMetadataConnector(BrokenConnector):
 
 
 class _LeakyDecoderScheduler(SharedStorageScheduler):
-    """Builds :class:`_LeakyMetadata` (ERR-005)."""
+    """Builds ``_LeakyMetadata`` (ERR-005)."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         return _as(_LeakyMetadata, super().build_connector_meta(scheduler_output))
@@ -482,7 +482,7 @@ class _MeanStats:
 
 
 class _AveragingStatsWorker(SharedStorageWorker):
-    """Reports its stats as :class:`_MeanStats` (EVT-006)."""
+    """Reports its stats as ``_MeanStats`` (EVT-006)."""
 
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
         stats = super().get_kv_connector_stats()
@@ -771,7 +771,7 @@ class EagerSavesConnector(SharedStorageConnector):
     """Not broken: the shared-storage connector that also saves running requests' blocks,
     reading them on its background thread while the request runs, and fences those reads
     when the request is preempted (WRK-012). The control of
-    :class:`UnfencedSavesConnector`."""
+    ``UnfencedSavesConnector``."""
 
     scheduler_class = _EagerSavesScheduler
     worker_class = _EagerSavesWorker
@@ -790,7 +790,7 @@ class _UnfencedSavesWorker(_EagerSavesWorker):
 
 
 class UnfencedSavesConnector(BrokenConnector):
-    """Breaks WRK-012: as :class:`EagerSavesConnector`, but ``handle_preemptions`` does
+    """Breaks WRK-012: as ``EagerSavesConnector``, but ``handle_preemptions`` does
     not wait for the running requests' saves, which read the preempted blocks after the
     engine reused them. Caught when a save is in flight at a preemption: the fault seam's
     slow transfers make sure it is."""

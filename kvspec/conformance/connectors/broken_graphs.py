@@ -1,12 +1,12 @@
 """Deliberately graph-unsafe variants of the layerwise-storage connector, one clause each.
 
 Every factory here is the
-:class:`~kvspec.conformance.connectors.layerwise.LayerwiseStorageConnector` with one per-layer
+``LayerwiseStorageConnector`` with one per-layer
 hook changed. Each still declares ``HookGraphMode.CAPTURABLE`` and behaves correctly when its
 hooks run eagerly at every step; each breaks under dummy runs or graph capture, which is what
 the graph and dummy-run clauses exist to catch. Each names the clause it breaks in its
 docstring and its ``violates`` class attribute, and is listed with that clause in
-:data:`BROKEN_GRAPH_CONNECTORS`.
+``BROKEN_GRAPH_CONNECTORS``.
 """
 
 from __future__ import annotations

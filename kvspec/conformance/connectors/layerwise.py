@@ -6,12 +6,12 @@ same file format, so either connector reads what the other wrote), but it moves 
 layer, inside the forward, with device work only.
 
 Storage
-    Exactly :mod:`~kvspec.conformance.connectors.shared_storage`'s: block ``key`` (the hex of
+    Exactly ``shared_storage``'s: block ``key`` (the hex of
     the engine's salted chained block hash, SCH-020) of rank ``r`` is the file
-    :func:`~kvspec.conformance.connectors.shared_storage.block_path` and counts as stored once
-    the marker :func:`~kvspec.conformance.connectors.shared_storage.marker_path` exists.
+    ``block_path`` and counts as stored once
+    the marker ``marker_path`` exists.
 
-Scheduler role (:class:`LayerwiseStorageScheduler`)
+Scheduler role (``LayerwiseStorageScheduler``)
     Matches like the shared-storage scheduler (whose matching it inherits) but synchronously:
     ``(n, False)``, with ``n`` capped so that one step loads at most ``max_blocks_per_step``
     blocks. A match with external tokens becomes a load in the next metadata. Each step it
@@ -23,7 +23,7 @@ Scheduler role (:class:`LayerwiseStorageScheduler`)
     load failed lose their marker (``BlockRemoved``) and are saved again once recomputed.
     ``request_finished`` is always ``(False, None)``: nothing reads a block after its step.
 
-Worker role (:class:`LayerwiseStorageWorker`)
+Worker role (``LayerwiseStorageWorker``)
     ``register_kv_caches`` allocates every per-step buffer once (GRA-005): ``load_idx`` and
     ``save_idx`` (int64 ``[S]``), ``load_mask`` (bool ``[S]``), and a load and a save staging
     tensor of ``S`` blocks of every layer storage, ``S = max_blocks_per_step``.
@@ -50,7 +50,7 @@ Worker role (:class:`LayerwiseStorageWorker`)
 
 Configuration (``config.extra``): as the shared-storage connector (``storage_dir`` or
 ``kvspec.tmpdir``), plus ``max_blocks_per_step`` (int >= 1, default
-:data:`DEFAULT_MAX_BLOCKS_PER_STEP`): the size ``S`` of the persistent buffers, the most
+``DEFAULT_MAX_BLOCKS_PER_STEP``): the size ``S`` of the persistent buffers, the most
 blocks one step loads, and the most it saves.
 """
 
@@ -201,7 +201,7 @@ class LayerwiseMetadata:
             job (DRY-006).
 
     Encodes to a JSON object ``{"kind", "version", "loads", "saves", "dummy"}``;
-    :meth:`decode` accepts exactly that and validates every field (ERR-005, ERR-006).
+    ``decode`` accepts exactly that and validates every field (ERR-005, ERR-006).
 
     Raises:
         InvalidArgumentError: a field is malformed (InvalidBlockIdError for a block id), or
@@ -243,10 +243,10 @@ class LayerwiseMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Decode and validate bytes from :meth:`encode`.
+        """Decode and validate bytes from ``encode``.
 
         Raises:
-            MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or a
+            MalformedMetadataError: ``data`` is not exactly what ``encode`` writes, or a
                 field is out of range (ERR-005).
         """
         obj = decode_json_envelope(
@@ -672,10 +672,10 @@ class LayerwiseStorageWorker(WorkerConnector):
 
         A load whose file is missing or does not hold the block keeps its mask off (the
         block is left as it is) and its block id is reported by
-        :meth:`get_block_ids_with_load_errors`.
+        ``get_block_ids_with_load_errors``.
 
         Raises:
-            InvalidArgumentError: ``metadata`` is not :class:`LayerwiseMetadata`, names more
+            InvalidArgumentError: ``metadata`` is not ``LayerwiseMetadata``, names more
                 than ``max_blocks_per_step`` loads or saves, or names transfers before
                 ``register_kv_caches``.
             InvalidBlockIdError: a block id is outside the budget (LAY-012).
@@ -761,7 +761,7 @@ class LayerwiseStorageWorker(WorkerConnector):
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
         """Nothing to start: the loads' bytes are staged at binding and land layer by layer
-        in :meth:`wait_for_layer_load` (WRK-004).
+        in ``wait_for_layer_load`` (WRK-004).
 
         Raises:
             MetadataNotBoundError: no metadata is bound (DRY-001).
@@ -923,10 +923,10 @@ class LayerwiseStorageConnector(ConnectorFactory):
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        """Build the scheduler role (:attr:`scheduler_class`)."""
+        """Build the scheduler role (``scheduler_class``)."""
         return self.scheduler_class(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
-        """Build the worker role of ``rank`` (:attr:`worker_class`)."""
+        """Build the worker role of ``rank`` (``worker_class``)."""
         return self.worker_class(config, rank)
 

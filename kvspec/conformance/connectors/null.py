@@ -47,7 +47,7 @@ __all__ = ["NullConnector", "NullMetadata", "NullScheduler", "NullWorker"]
 class NullMetadata:
     """The null connector's step metadata: describes no transfer.
 
-    Encodes to the JSON object ``{}``; :meth:`decode` accepts nothing else (ERR-005).
+    Encodes to the JSON object ``{}``; ``decode`` accepts nothing else (ERR-005).
     """
 
     def encode(self) -> bytes:
@@ -56,7 +56,7 @@ class NullMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Rebuild the metadata from :meth:`encode`'s bytes.
+        """Rebuild the metadata from ``encode``'s bytes.
 
         Raises:
             MalformedMetadataError: ``data`` is not bytes holding the empty JSON object.
@@ -243,7 +243,7 @@ class NullWorker(WorkerConnector):
         """Bind the step's metadata (WRK-003).
 
         Raises:
-            InvalidArgumentError: ``metadata`` is not :class:`NullMetadata`.
+            InvalidArgumentError: ``metadata`` is not ``NullMetadata``.
         """
         self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
 
@@ -283,13 +283,13 @@ class NullConnector(ConnectorFactory):
 
     @property
     def capabilities(self) -> Capabilities:
-        """The default :class:`~kvspec.protocols.Capabilities`."""
+        """The default ``Capabilities``."""
         return Capabilities()
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        """Build a :class:`NullScheduler`."""
+        """Build a ``NullScheduler``."""
         return NullScheduler(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
-        """Build a :class:`NullWorker` for ``rank``."""
+        """Build a ``NullWorker`` for ``rank``."""
         return NullWorker(config, rank)

@@ -7,13 +7,13 @@ directory: ``config.extra["storage_dir"]``, else ``config.extra["kvspec.tmpdir"]
 Storage
     A block is keyed by the engine's chained block hash (``RequestView.block_hashes[i]``,
     salted by cache salt and LoRA id: SCH-020), as lowercase hex. Rank ``r`` stores the
-    block, all its layers, in one file ``<key>.rank<r>`` (:func:`block_path`): an 8-byte
+    block, all its layers, in one file ``<key>.rank<r>`` (``block_path``): an 8-byte
     magic, a little-endian u32 header length, a JSON header (format version, key, rank,
     dtype, shape) and the raw bytes. A block counts as stored only once the marker
-    ``<key>.done`` (:func:`marker_path`) exists, which the scheduler role writes when every
+    ``<key>.done`` (``marker_path``) exists, which the scheduler role writes when every
     rank reported the save. Every file is written to a temporary name and renamed into place.
 
-Scheduler role (:class:`SharedStorageScheduler`)
+Scheduler role (``SharedStorageScheduler``)
     Matches consecutive stored blocks after the computed tokens, block aligned, leaving at
     least one prompt token to compute (SCH-005, SCH-007), asynchronously; plans a load when
     ``update_state_after_alloc`` carries external tokens; at ``request_finished`` plans a save
@@ -22,7 +22,7 @@ Scheduler role (:class:`SharedStorageScheduler`)
     events) when the aggregated output reports the save; removes the markers of blocks whose
     load failed, so that they are stored again after the recomputation.
 
-Worker role (:class:`SharedStorageWorker`)
+Worker role (``SharedStorageWorker``)
     At ``start_load_kv`` (or, if the engine did not call it for a zero-token step, at
     ``clear_connector_metadata``) it submits loads to one background thread, and snapshots
     the blocks of saves on the calling thread (a copy in host memory) before writing the
@@ -428,7 +428,7 @@ class SharedStorageMetadata:
             workers still report each of them in ``finished_recving`` exactly once.
 
     Encodes to a JSON object ``{"kind", "version", "loads", "saves", "aborted_loads"}``;
-    :meth:`decode` accepts exactly that and validates every field (ERR-005, ERR-006).
+    ``decode`` accepts exactly that and validates every field (ERR-005, ERR-006).
 
     Raises:
         InvalidArgumentError: a field is malformed.
@@ -487,10 +487,10 @@ class SharedStorageMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Decode and validate bytes from :meth:`encode`.
+        """Decode and validate bytes from ``encode``.
 
         Raises:
-            MalformedMetadataError: ``data`` is not exactly what :meth:`encode` writes, or
+            MalformedMetadataError: ``data`` is not exactly what ``encode`` writes, or
                 a field is out of range (ERR-005).
         """
         obj = decode_json_envelope(
@@ -544,9 +544,9 @@ class _SaveRecord:
 class SharedStorageScheduler(SchedulerConnector):
     """Scheduler role of the shared-storage connector. See the module docstring.
 
-    The seams :meth:`_block_keys`, :meth:`_match_limit`, :meth:`_is_async` and
-    :meth:`_delay_free` exist so that the deliberately broken variants of
-    :mod:`kvspec.conformance.connectors.broken` each change one behaviour.
+    The seams ``_block_keys``, ``_match_limit``, ``_is_async`` and
+    ``_delay_free`` exist so that the deliberately broken variants of
+    ``kvspec.conformance.connectors.broken`` each change one behaviour.
     """
 
     def __init__(self, config: EngineConfigView) -> None:
@@ -946,8 +946,8 @@ class SharedStorageWorker(WorkerConnector):
 
     Rank ``r`` reads and writes only ``<key>.rank<r>`` files. One background thread per
     worker does the file I/O and the copies of loads; saves are snapshotted on the calling
-    thread. The seams :attr:`_sync_saves`, :meth:`_load_delay_s`, :meth:`_after_load` and
-    :meth:`_report` exist for the broken variants.
+    thread. The seams ``_sync_saves``, ``_load_delay_s``, ``_after_load`` and
+    ``_report`` exist for the broken variants.
     """
 
     def __init__(self, config: EngineConfigView, rank: int) -> None:
@@ -1052,7 +1052,7 @@ class SharedStorageWorker(WorkerConnector):
         """Bind the step's metadata (WRK-003).
 
         Raises:
-            InvalidArgumentError: ``metadata`` is not :class:`SharedStorageMetadata`.
+            InvalidArgumentError: ``metadata`` is not ``SharedStorageMetadata``.
         """
         self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
         self._started = False
@@ -1363,9 +1363,9 @@ class SharedStorageConnector(ConnectorFactory):
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        """Build the scheduler role (:attr:`scheduler_class`)."""
+        """Build the scheduler role (``scheduler_class``)."""
         return self.scheduler_class(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
-        """Build the worker role of ``rank`` (:attr:`worker_class`)."""
+        """Build the worker role of ``rank`` (``worker_class``)."""
         return self.worker_class(config, rank)

@@ -1,11 +1,11 @@
 """Graph capture and replay for capturable connector hooks: CUDA graphs, or a CPU emulator.
 
-:func:`make_capturer` returns a :class:`GraphCapturer` for a device: ``"cuda"`` captures real
+``make_capturer`` returns a ``GraphCapturer`` for a device: ``"cuda"`` captures real
 ``torch.cuda.CUDAGraph`` s, ``"cpu"`` the emulator, which records ATen ops under a
 ``TorchDispatchMode`` and replays them with the same semantics. Both refuse, inside a captured
 region, host syncs and data-dependent shapes (GRA-004), own what the capture allocated until
-:meth:`CapturedGraph.reset` and read persistent buffers updated between replays (GRA-005), and
-replay exactly the work recorded at capture (GRA-006). See :mod:`kvspec.conformance.graphs.api`.
+``CapturedGraph.reset`` and read persistent buffers updated between replays (GRA-005), and
+replay exactly the work recorded at capture (GRA-006). See ``kvspec.conformance.graphs.api``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the emulator (they raise before CUDA sees the illegal call, so the capture ends 
 CUDA error about stream capture that the guards did not anticipate is turned into the same
 ``ContractViolation`` with the call site taken from its traceback.
 
-Nothing here touches CUDA until a :class:`CudaCapturer` is made.
+Nothing here touches CUDA until a ``CudaCapturer`` is made.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ T = TypeVar("T")
 
 
 class CudaGraph:
-    """A captured ``torch.cuda.CUDAGraph`` (a :class:`~.api.CapturedGraph`).
+    """A captured ``torch.cuda.CUDAGraph`` (a ``CapturedGraph``).
 
-    Holds the graph, its private memory pool and ``fn``'s outputs until :meth:`reset`, so the
+    Holds the graph, its private memory pool and ``fn``'s outputs until ``reset``, so the
     addresses the graph writes stay allocated to it (GRA-004, GRA-005).
     """
 
@@ -80,7 +80,7 @@ def _kvspec_error_in_chain(err: BaseException) -> KVSpecError | None:
 
 
 class CudaCapturer(GraphCapturer):
-    """The capturer :func:`~.api.make_capturer` returns for ``cuda``: real CUDA graphs.
+    """The capturer ``make_capturer`` returns for ``cuda``: real CUDA graphs.
 
     Raises:
         CapabilityError: CUDA is not available.
@@ -95,7 +95,7 @@ class CudaCapturer(GraphCapturer):
         super().__init__(torch.device("cuda", index), warmup)
 
     def capture(self, fn: Callable[[], T]) -> tuple[CudaGraph, T]:
-        """See :meth:`~.api.GraphCapturer.capture`."""
+        """See ``capture``."""
         _require_callable(fn)
         _ensure_not_capturing("start a capture")
         with torch.cuda.device(self.device):

@@ -1,6 +1,6 @@
 """A CPU emulator of CUDA-graph capture and replay, on torch's dispatch machinery.
 
-Every ATen op that ``fn`` runs under capture reaches :class:`_Recorder`, a
+Every ATen op that ``fn`` runs under capture reaches ``_Recorder``, a
 ``TorchDispatchMode``, which sorts it:
 
 * **GRA-004 refusals** — host syncs and data-dependent shapes — raise at once (api rules).
@@ -13,7 +13,7 @@ Every ATen op that ``fn`` runs under capture reaches :class:`_Recorder`, a
 * **Every other op** is recorded, not executed. Its output metadata comes from running it on
   ``meta`` copies of its arguments (which also checks shapes and dtypes as eager would); new
   outputs are real tensors of that shape, dtype and strides, owned by the graph and filled with
-  :func:`poison_value`; outputs that alias a mutated argument (``add_``, ``copy_``,
+  ``poison_value``; outputs that alias a mutated argument (``add_``, ``copy_``,
   ``index_copy_``, ``out=``) are that argument, left unmodified.
 
 Replay calls each recorded op again, outside any mode, on the same tensors (aliases taken at
@@ -320,9 +320,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class EmulatedGraph:
-    """A graph recorded by the CPU emulator (a :class:`~.api.CapturedGraph`).
+    """A graph recorded by the CPU emulator (a ``CapturedGraph``).
 
-    Owns every tensor allocated under capture until :meth:`reset` (GRA-004: addresses stay
+    Owns every tensor allocated under capture until ``reset`` (GRA-004: addresses stay
     fixed across replays) and reads tensors that existed before capture where they were
     (GRA-005).
     """
@@ -364,15 +364,15 @@ class EmulatedGraph:
 
 
 class EmulatorCapturer(GraphCapturer):
-    """The capturer :func:`~.api.make_capturer` returns for ``cpu``: emulated CUDA graphs.
+    """The capturer ``make_capturer`` returns for ``cpu``: emulated CUDA graphs.
 
-    ``capture(fn)`` runs ``fn`` :attr:`warmup` times eagerly, then records it under
-    :class:`_Recorder` with the GRA-004 host-read guards, and returns an
-    :class:`EmulatedGraph` and ``fn``'s (poisoned) outputs.
+    ``capture(fn)`` runs ``fn`` ``warmup`` times eagerly, then records it under
+    ``_Recorder`` with the GRA-004 host-read guards, and returns an
+    ``EmulatedGraph`` and ``fn``'s (poisoned) outputs.
     """
 
     def capture(self, fn: Callable[[], T]) -> tuple[EmulatedGraph, T]:
-        """See :meth:`~.api.GraphCapturer.capture`."""
+        """See ``capture``."""
         _require_callable(fn)
         _ensure_not_capturing("start a capture")
         for _ in range(self.warmup):

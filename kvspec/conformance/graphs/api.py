@@ -11,24 +11,24 @@ Usage, modelled on ``torch.cuda.CUDAGraph``::
 Semantics shared by both implementations (the rules a capturable connector's per-layer hooks
 live under, clauses GRA-004, GRA-005 and GRA-006):
 
-* ``capture(fn)`` first runs ``fn`` eagerly :attr:`GraphCapturer.warmup` times, with all its
+* ``capture(fn)`` first runs ``fn`` eagerly ``GraphCapturer.warmup`` times, with all its
   side effects (CUDA: on a side stream, as torch documents), then runs it once under capture.
   Under capture, device work is recorded, not executed: outputs hold no computed values yet
-  (the emulator fills them with :func:`~kvspec.conformance.graphs.poison_value`), and in-place
+  (the emulator fills them with ``poison_value``), and in-place
   writes to existing tensors have not happened when ``capture`` returns.
 * ``replay()`` re-runs the recorded device work, in order, on the same memory. Tensors
-  allocated under capture keep their storage until :meth:`CapturedGraph.reset`; ``fn``'s
+  allocated under capture keep their storage until ``CapturedGraph.reset``; ``fn``'s
   outputs are updated in place. Tensors that existed before capture are read and written at
   the same addresses, so their contents changed in place between replays are seen by the next
   replay (GRA-005), while tensors created afresh after capture are invisible to the graph.
   No Python runs at replay: a Python decision taken at capture time repeats at every replay
   (GRA-004).
 * A host sync or an op with a data-dependent output shape inside ``fn`` raises
-  :class:`~kvspec.protocols.ContractViolation` for GRA-004 at once, naming the op and the
+  ``ContractViolation`` for GRA-004 at once, naming the op and the
   Python call site (``file:line`` of the first frame outside torch and this package); see
-  :data:`HOST_SYNC_OPS`, :data:`HOST_READ_METHODS` and :data:`DATA_DEPENDENT_SHAPE_OPS`.
+  ``HOST_SYNC_OPS``, ``HOST_READ_METHODS`` and ``DATA_DEPENDENT_SHAPE_OPS``.
 * One capture at a time in the process: a capture inside a capture, a capture while another
-  thread captures, and a replay while any thread captures raise :class:`CaptureStateError`
+  thread captures, and a replay while any thread captures raise ``CaptureStateError``
   (this mirrors CUDA's default, global, capture mode).
 
 Whether replay reproduces eager results byte for byte is what GRA-006 asks of a connector;
@@ -105,7 +105,7 @@ DATA_DEPENDENT_SHAPE_OPS: frozenset[str] = frozenset(
 )
 """ATen ops (overload packets) whose output shape can depend on tensor values (GRA-004).
 
-Under capture they raise :class:`~kvspec.protocols.ContractViolation` for GRA-004, on both
+Under capture they raise ``ContractViolation`` for GRA-004, on both
 implementations. ``repeat_interleave`` is refused only without ``output_size``; the indexing ops
 only when indexing with a boolean or uint8 mask (``x[mask]``), not with an integer index tensor
 (``x[idx]``), which is static-shaped and the way a capturable connector gathers rows.
@@ -167,7 +167,7 @@ class CaptureStateError(KVSpecError, RuntimeError):
 
     Raised for a capture inside a capture, a capture while another thread captures, a replay
     while any thread captures (CUDA's global capture mode forbids all three), and a replay after
-    :meth:`CapturedGraph.reset`.
+    ``CapturedGraph.reset``.
     """
 
 
@@ -198,7 +198,7 @@ class CapturedGraph(Protocol):
 
 
 class GraphCapturer(abc.ABC):
-    """Captures a function into a :class:`CapturedGraph`; made by :func:`make_capturer`."""
+    """Captures a function into a ``CapturedGraph``; made by ``make_capturer``."""
 
     def __init__(self, device: torch.device, warmup: int) -> None:
         self._device = device
@@ -211,12 +211,12 @@ class GraphCapturer(abc.ABC):
 
     @property
     def warmup(self) -> int:
-        """How many times :meth:`capture` runs ``fn`` eagerly before capturing it."""
+        """How many times ``capture`` runs ``fn`` eagerly before capturing it."""
         return self._warmup
 
     @abc.abstractmethod
     def capture(self, fn: Callable[[], T]) -> tuple[CapturedGraph, T]:
-        """Run ``fn`` :attr:`warmup` times eagerly, then once under capture.
+        """Run ``fn`` ``warmup`` times eagerly, then once under capture.
 
         Returns the graph and what ``fn`` returned under capture; tensors in it are updated in
         place by every replay. Before the first replay they hold no computed values.
@@ -278,7 +278,7 @@ _capturing_thread: int | None = None
 
 
 def _ensure_not_capturing(what: str) -> None:
-    """Raise :class:`CaptureStateError` if any thread is capturing."""
+    """Raise ``CaptureStateError`` if any thread is capturing."""
     owner = _capturing_thread
     if owner is None:
         return
@@ -357,7 +357,7 @@ _INDEX_PUT_OPS = ("aten.index_put", "aten.index_put_", "aten._index_put_impl_", 
 def _data_dependent_reason(
     name: str, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> str | None:
-    """Why an op of :data:`DATA_DEPENDENT_SHAPE_OPS` is data-dependent here, or None."""
+    """Why an op of ``DATA_DEPENDENT_SHAPE_OPS`` is data-dependent here, or None."""
     if name == "aten.repeat_interleave":
         if func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None:
             return "repeat_interleave with repeats as a tensor and no output_size"
@@ -397,7 +397,7 @@ def _check_dispatch(
 
 
 class _HostReadGuard(TorchFunctionMode):
-    """Refuses the :data:`HOST_READ_METHODS` in the capturing thread."""
+    """Refuses the ``HOST_READ_METHODS`` in the capturing thread."""
 
     def __torch_function__(
         self,
@@ -456,7 +456,7 @@ def _host_sync_guard() -> Iterator[None]:
     """Refuse host reads and explicit synchronisation in this thread for the block (GRA-004).
 
     ATen-level checks are the dispatch mode's job (the emulator's recorder, or
-    :class:`_CheckingDispatchMode` around CUDA capture).
+    ``_CheckingDispatchMode`` around CUDA capture).
     """
     thread = threading.get_ident()
     patched: list[tuple[Any, str, Any]] = []

@@ -2,7 +2,7 @@
 
 ``Engine(factory, HarnessConfig(...)).run(Workload(...))`` serves a workload through the
 connector exactly as docs/spec/state-machines.md orders it and raises
-:class:`~kvspec.protocols.ContractViolation` at the first clause the connector breaks.
+``ContractViolation`` at the first clause the connector breaks.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class BlockPool:
 
     @property
     def holding(self) -> bool:
-        """True while freed blocks are held back from allocation (:meth:`free`)."""
+        """True while freed blocks are held back from allocation (``free``)."""
         return bool(self._held)
 
     def release_held(self, now: float) -> None:
@@ -97,7 +97,7 @@ class BlockPool:
     def free(self, blocks: list[int], *, hold_until: float | None = None) -> list[int]:
         """Drop one reference per block; return the blocks that became free and uncached.
         With ``hold_until`` (a ``time.monotonic()`` value), those are not allocated before
-        :meth:`release_held` is called with that time or later."""
+        ``release_held`` is called with that time or later."""
         released: list[int] = []
         for b in reversed(blocks):
             if self._ref[b] <= 0:

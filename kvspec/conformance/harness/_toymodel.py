@@ -7,7 +7,7 @@ step. The salt is mixed in although real KV does not depend on it: that makes a 
 that shares KV across tenants (SCH-020) produce detectably wrong bytes.
 
 Values are small integers in [-100, 100], exact in every float and int8 dtype, so byte
-equality is value equality. :data:`POISON` is outside that range: the harness writes it into
+equality is value equality. ``POISON`` is outside that range: the harness writes it into
 freed blocks, and finding it in loaded KV proves a read after free (SCH-017).
 """
 

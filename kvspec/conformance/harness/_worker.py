@@ -1,14 +1,14 @@
 """One worker rank of the harness engine: KV tensors, the toy forward, and the checks.
 
-:class:`WorkerRuntime` handles plain-data messages (``register``, ``step``, ``shutdown``), so
+``WorkerRuntime`` handles plain-data messages (``register``, ``step``, ``shutdown``), so
 the same code runs in the engine's process (TP 1) and in worker processes (TP > 1). A step
 message carries the encoded connector metadata; the runtime decodes it with the metadata's
 own codec, never pickle (ERR-006), and calls the connector's hooks in the order of
-docs/spec/state-machines.md, as :func:`kvspec.protocols.plan_forward` says.
+docs/spec/state-machines.md, as ``kvspec.protocols.plan_forward`` says.
 
 The runtime checks what the connector did, at every layer's attention: every token before
 the scheduled ones must hold exactly the KV the toy model computes. A wrong byte is
-attributed to the clause it breaks (see :meth:`WorkerRuntime._attribute`).
+attributed to the clause it breaks (see ``WorkerRuntime._attribute``).
 """
 
 from __future__ import annotations
@@ -445,5 +445,5 @@ def encode_meta(meta: ConnectorMetadata) -> str:
 
 
 def decode_meta(meta_type: type[ConnectorMetadata], text: str) -> ConnectorMetadata:
-    """Decode metadata from :func:`encode_meta`'s text with the connector's own decoder."""
+    """Decode metadata from ``encode_meta``'s text with the connector's own decoder."""
     return meta_type.decode(base64.b64decode(text))

@@ -184,7 +184,7 @@ def _encode_custom(value: Any, field: str) -> tuple[dict[str, str] | None, list[
 
 
 def _decode_custom(entry: Mapping[str, str], types: dict[str, Any]) -> Any:
-    """Rebuild what :func:`_encode_custom` wrote (the type comes from the harness's own
+    """Rebuild what ``_encode_custom`` wrote (the type comes from the harness's own
     worker process, running the factory the user named)."""
     cls = types.get(entry["type"]) or _import(entry["type"])
     types[entry["type"]] = cls

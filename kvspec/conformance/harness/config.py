@@ -185,7 +185,7 @@ class HarnessConfig:
 
     @classmethod
     def from_plain(cls, data: Mapping[str, Any]) -> HarnessConfig:
-        """Inverse of :meth:`to_plain`."""
+        """Inverse of ``to_plain``."""
         d = dict(data)
         d["packing"] = KVPacking(d["packing"])
         d["role"] = TransferRole(d["role"])

@@ -3,7 +3,7 @@
 The engine follows docs/spec/state-machines.md: it matches, allocates, builds metadata every
 step (zero-token steps included), runs the toy forward on every rank, aggregates the ranks'
 outputs, frees blocks only when the aggregate says so, and observes the connector's side of
-every clause it can. A broken clause ends the run with :class:`ContractViolation` carrying
+every clause it can. A broken clause ends the run with ``ContractViolation`` carrying
 the clause, what the connector did, what was expected, and a ``reproduce`` text naming the
 configuration, the workload and the step.
 """
@@ -60,12 +60,12 @@ __all__ = ["Engine", "RunResult"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 _TALLY = {"engines": 0, "loads": 0, "matched_tokens": 0, "loaded_tokens": 0}
-"""What ran in this process since :func:`take_load_tally` was last called: engines
+"""What ran in this process since ``take_load_tally`` was last called: engines
 started, loads the connector started, tokens it offered for them, tokens it delivered."""
 
 
 def take_load_tally() -> dict[str, int]:
-    """Return and reset :data:`_TALLY` (the conformance report counts each test's loads,
+    """Return and reset ``_TALLY`` (the conformance report counts each test's loads,
     so a scenario in which a connector loads nothing shows)."""
     out = dict(_TALLY)
     for k in _TALLY:
@@ -142,7 +142,7 @@ class Engine:
 
     Args:
         factory: The connector under test.
-        config: Engine configuration; defaults to :class:`HarnessConfig()`.
+        config: Engine configuration; defaults to ``HarnessConfig()``.
         tmpdir: Directory handed to the connector as ``extra['kvspec.tmpdir']``; a fresh
             one is made (and removed at shutdown) when None.
         factory_spec: Import path of the factory for worker processes (TP > 1); derived

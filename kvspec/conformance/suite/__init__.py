@@ -1,7 +1,7 @@
 """The conformance suite's tests, one module per topic.
 
 Nothing here runs unless asked: ``pytest --kvspec-conformance=pkg.module:Factory`` collects
-these modules in addition to the given paths, and :func:`kvspec.conformance.make_suite`
+these modules in addition to the given paths, and ``kvspec.conformance.make_suite``
 binds their classes to one connector in a user's test module.
 
 How a topic module is written (adding one needs nothing else):
@@ -18,9 +18,9 @@ How a topic module is written (adding one needs nothing else):
 - every test is tagged ``@pytest.mark.kvspec_clause("SCH-005", ...)`` with the IDs it checks
   (unknown IDs are a collection error) and, if it needs a capability,
   ``@pytest.mark.kvspec_requires("async_loads", ...)`` (see
-  :func:`kvspec.conformance.capability_names`; the test is skipped for connectors that do
+  ``kvspec.conformance.capability_names``; the test is skipped for connectors that do
   not declare it);
-- a broken clause is reported by raising :class:`~kvspec.protocols.ContractViolation`
+- a broken clause is reported by raising ``ContractViolation``
   (``self.check(cond, "SCH-005", observed=..., expected=...)``), optionally with a
   ``reproduce`` text; plain asserts work but report no clause;
 - property tests use hypothesis with ``settings()`` defaults, so ``--kvspec-profile=full``

@@ -23,14 +23,14 @@ class ConformanceSuite:
     Each topic module ``kvspec/conformance/suite/test_<topic>.py`` defines one
     ``class Test<Topic>(ConformanceSuite)``. The connector under test comes from the
     ``kvspec_factory`` fixture: the plugin parametrizes it over every
-    ``--kvspec-conformance=SPEC``; a subclass that sets :attr:`connector` (what
-    :func:`kvspec.conformance.make_suite` creates) runs against that connector alone.
+    ``--kvspec-conformance=SPEC``; a subclass that sets ``connector`` (what
+    ``kvspec.conformance.make_suite`` creates) runs against that connector alone.
 
-    Before each test an autouse fixture sets :attr:`factory` and :attr:`capabilities`.
+    Before each test an autouse fixture sets ``factory`` and ``capabilities``.
     Tests tag the clauses they check with ``@pytest.mark.kvspec_clause("SCH-005")`` and the
     capabilities they need with ``@pytest.mark.kvspec_requires("async_loads")``; they report
-    a broken clause by raising :class:`~kvspec.protocols.ContractViolation`, most easily
-    through :meth:`check`.
+    a broken clause by raising ``ContractViolation``, most easily
+    through ``check``.
 
     Attributes:
         connector: The connector this class is bound to (a spec, class or factory), or None
@@ -84,7 +84,7 @@ class ConformanceSuite:
     def violation(
         clause: str, *, observed: str, expected: str, reproduce: str | None = None
     ) -> ContractViolation:
-        """Build the :class:`ContractViolation` a test raises when a clause is broken.
+        """Build the ``ContractViolation`` a test raises when a clause is broken.
 
         ``reproduce``, if given, is text (a configuration, a call sequence, a falsifying
         example) that the report prints after the violation.
@@ -101,6 +101,6 @@ class ConformanceSuite:
         expected: str,
         reproduce: str | None = None,
     ) -> None:
-        """Raise :meth:`violation` of ``clause`` unless ``condition`` is true."""
+        """Raise ``violation`` of ``clause`` unless ``condition`` is true."""
         if not condition:
             raise cls.violation(clause, observed=observed, expected=expected, reproduce=reproduce)

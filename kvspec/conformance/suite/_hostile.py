@@ -1,10 +1,10 @@
 """Hostile inputs for the decoders a connector exposes to peers and clients.
 
-:func:`hostile_bytes` derives, from real encodings of a connector's metadata, the bytes an
+``hostile_bytes`` derives, from real encodings of a connector's metadata, the bytes an
 attacker or a broken peer sends: truncations, flipped and inserted bytes, random bytes,
 integers past Python's 4300-digit limit, nesting past the recursion limit, and a pickle
-payload whose unpickling calls :func:`trip` (a canary: it runs no other code).
-:func:`hostile_params` does the same for ``kv_transfer_params``, which come from clients.
+payload whose unpickling calls ``trip`` (a canary: it runs no other code).
+``hostile_params`` does the same for ``kv_transfer_params``, which come from clients.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ _tripped: list[str] = []
 
 
 def trip(note: str) -> None:
-    """Called only by unpickling :data:`PICKLE_PAYLOAD`."""
+    """Called only by unpickling ``PICKLE_PAYLOAD``."""
     _tripped.append(note)
 
 
 def tripped() -> bool:
-    """Whether :data:`PICKLE_PAYLOAD` was unpickled since :func:`reset`."""
+    """Whether ``PICKLE_PAYLOAD`` was unpickled since ``reset``."""
     return bool(_tripped)
 
 
@@ -40,7 +40,7 @@ class _Payload:
 
 
 PICKLE_PAYLOAD = pickle.dumps(_Payload(), protocol=2)
-"""Bytes whose unpickling calls :func:`trip`: what a peer could make run instead."""
+"""Bytes whose unpickling calls ``trip``: what a peer could make run instead."""
 
 HUGE = b"9" * 5000
 DEEP = b"[" * 100_000 + b"]" * 100_000

@@ -1,7 +1,7 @@
 """Conformance: failed and slow transfers, through the fault seam.
 
 For connectors that declare ``fault_injection``, the harness passes a
-:class:`~kvspec.protocols.FaultPlan` in ``extra["kvspec.faults"]``: every load fails, every
+``FaultPlan`` in ``extra["kvspec.faults"]``: every load fails, every
 store fails, or every transfer stays in flight for a while. One engine serves a pass that
 stores and a pass that would hit; the engine checks, as always, every KV byte the model
 reads, every report and every release. These tests add what only a failure shows: a load

@@ -1,6 +1,6 @@
 """The connector under graphs: dummy runs, PIECEWISE and FULL replay, lazy capture.
 
-On CPU the harness captures with the graph emulator of :mod:`kvspec.conformance.graphs`,
+On CPU the harness captures with the graph emulator of ``kvspec.conformance.graphs``,
 which records instead of running and replays without Python, as CUDA graphs do.
 """
 

@@ -2,7 +2,7 @@
 
 The connector serves a short workload that stores and loads; its real metadata encodings and
 ``kv_transfer_params`` are then mutated the way a broken or malicious peer or client would
-(:mod:`._hostile`): truncated, flipped, random, oversized numbers, deep nesting, a pickle
+(``._hostile``): truncated, flipped, random, oversized numbers, deep nesting, a pickle
 payload. Every input must end in a value or a typed kvspec error, and nothing may be
 unpickled.
 """
