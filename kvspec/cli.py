@@ -205,6 +205,15 @@ def _unwritable(flag: str, path: str) -> bool:
     return reason is not None
 
 
+def _no_matplotlib() -> bool:
+    """Say so (and return True) when ``--svg`` cannot draw: no matplotlib."""
+    from .bench._chart import MISSING
+
+    if MISSING:
+        print(f"kvspec: {MISSING}", file=sys.stderr)
+    return bool(MISSING)
+
+
 def _bench_offload(args: argparse.Namespace) -> int:
     from .bench.offload import (
         OffloadGrid,
@@ -216,7 +225,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
         run_offload_bench,
     )
 
-    if args.svg and _unwritable("--svg", args.svg):
+    if args.svg and (_unwritable("--svg", args.svg) or _no_matplotlib()):
         return 2
     base = OffloadGrid.quick() if args.quick else OffloadGrid()
     grid = OffloadGrid(
@@ -242,7 +251,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
     )
     checks = check_targets(results, overheads, repeats=grid.repeats)
     if args.svg:
-        from .bench._svg import bar_chart
+        from .bench._chart import bar_chart
 
         labels = [f"{r.point.order} {r.point.heads}x{r.point.head_size} {r.point.blocks} blk"
                   for r in results]
@@ -463,7 +472,7 @@ def _bench_nixl(args: argparse.Namespace) -> int:
     )
     from .bench.nixl_tp import default_tp_points, format_tp_table, measure_tp_point
 
-    if args.svg and _unwritable("--svg", args.svg):
+    if args.svg and (_unwritable("--svg", args.svg) or _no_matplotlib()):
         return 2
     blocks = args.blocks or (32 if args.quick else 256)
     layers = args.layers or (4 if args.quick else 32)
@@ -485,7 +494,7 @@ def _bench_nixl(args: argparse.Namespace) -> int:
         tp_results += measure_tp_point(tp_point, repeats=repeats,
                                        warmup=1 if args.quick else 2)
     if args.svg:
-        from .bench._svg import bar_chart
+        from .bench._chart import bar_chart
 
         labels = [f"{r.point.order} {r.point.page_bytes // 1024} KiB pages" for r in results]
         _write(args.svg, bar_chart(
@@ -574,7 +583,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
     if vllm_python() is None:
         return _no_vllm("bench vllm")
-    if args.svg and _unwritable("--svg", args.svg):
+    if args.svg and (_unwritable("--svg", args.svg) or _no_matplotlib()):
         return 2
     options = VllmBenchOptions(rounds=args.rounds, aa=args.aa,
                                sections=(args.only,) if args.only else ("pd", "offload"))
@@ -584,7 +593,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         print(f"kvspec bench vllm: FAILED: {e}", file=sys.stderr)
         return 1
     if args.svg:
-        from .bench._svg import bar_chart
+        from .bench._chart import bar_chart
 
         series = [(name, list(values.values())) for name, values in result.ratios().items()
                   if name != "offload_own_x_smaller"]

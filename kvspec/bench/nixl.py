@@ -60,6 +60,7 @@ from kvspec.protocols import (
 )
 
 from ._nixl_raw import measure_raw_nixl
+from ._table import markdown_table
 from ._timing import written_bytes
 
 __all__ = ["NixlPoint", "NixlResult", "check_nixl_targets", "default_points",
@@ -312,7 +313,7 @@ def format_nixl_table(results: Sequence[NixlResult]) -> str:
     head = ("layout", "family", "page", "blocks", "layers", "MiB", "descriptors",
             "connector ms", "raw NIXL ms", "other-family raw ms", "memcpy ms", "vs raw",
             "vs memcpy", "beyond raw us", "control us")
-    rows = [head]
+    rows = []
     for r in results:
         rows.append((
             r.point.order, r.point.family, f"{r.point.page_bytes // 1024} KiB",
@@ -321,10 +322,7 @@ def format_nixl_table(results: Sequence[NixlResult]) -> str:
             f"{r.raw_other_s * 1e3:.2f}", f"{r.memcpy_s * 1e3:.2f}", f"{r.vs_raw:.2f}",
             f"{r.vs_memcpy:.2f}", f"{r.beyond_raw_us:.0f}", f"{r.control_us:.0f}",
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return markdown_table(head, rows)
 
 
 def machine_info() -> dict[str, Any]:

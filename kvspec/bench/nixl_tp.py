@@ -37,6 +37,7 @@ from kvspec.protocols import (
 )
 
 from ._timing import written_bytes
+from ._table import markdown_table
 
 __all__ = ["TP_PAIRS", "TpPoint", "TpResult", "default_tp_points", "format_tp_table",
            "measure_tp_point"]
@@ -235,12 +236,9 @@ def default_tp_points(blocks: int = 128, layers: int = 8) -> list[TpPoint]:
 def format_tp_table(results: Sequence[TpResult]) -> str:
     """A Markdown table, one row per configuration."""
     head = ("layout", "TP", "MiB", "READs", "descriptors", "ms", "vs TP 1 -> 1")
-    rows = [head]
+    rows = []
     for r in results:
         rows.append((r.point.order, f"{r.prefill_tp} -> {r.decode_tp}",
                      f"{r.nbytes / _MIB:.0f}", str(r.reads), str(r.descriptors),
                      f"{r.seconds * 1e3:.2f}", f"{r.vs_same_tp:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return markdown_table(head, rows)

@@ -44,6 +44,7 @@ from kvspec.protocols import (
     TransferRole,
 )
 
+from ._table import markdown_table
 from ._timing import written_bytes
 
 __all__ = [
@@ -500,12 +501,7 @@ def format_table(results: Sequence[OffloadResult]) -> str:
          r.path)
         for r in results
     ]
-    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(_COLUMNS)]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
-              for row in rows]
-    return "\n".join(lines)
+    return markdown_table(_COLUMNS, rows)
 
 
 def machine_info() -> dict[str, Any]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import attrs
 
+from ._table import markdown_table
+
 __all__ = ["Arm", "VllmBenchOptions", "VllmBenchResult", "run_vllm_bench"]
 
 PROBES = "kvspec.vllm._probes"
@@ -119,13 +121,16 @@ class VllmBenchResult:
                 continue
             out += ["", f"{title}: time to first token (ms), connector part (ms) = that minus "
                         "the engine's no-work prompt, tokens taken from the connector"]
-            out.append(f"  {'prompt':>6}  " + "  ".join(
-                f"{a.name:>30}" for a in pair) + f"  {'kvspec/vLLM':>11}")
+            header = ["prompt"]
+            for a in pair:
+                header += [f"{a.name} TTFT ms", "connector ms", "tokens"]
+            rows = []
             for n in pair[0].ttft_ms:
-                cells = [f"{a.ttft_ms[n]:7.2f} ({a.own_ms[n]:6.2f}) {a.tokens_taken[n]:5d} tok"
-                         for a in pair]
-                out.append(f"  {n:>6}  " + "  ".join(f"{c:>30}" for c in cells)
-                           + f"  {ratios[key][n]:11.2f}")
+                row = [str(n)]
+                for a in pair:
+                    row += [f"{a.ttft_ms[n]:.2f}", f"{a.own_ms[n]:.2f}", str(a.tokens_taken[n])]
+                rows.append([*row, f"{ratios[key][n]:.2f}"])
+            out += markdown_table([*header, "kvspec/vLLM"], rows).splitlines()
             out.append("  no-work prompt: " + ", ".join(
                 f"{a.name} {a.no_work_ms:.2f} ms" for a in pair))
             out.append("  tokens equal the no-connector engine's: " + ", ".join(

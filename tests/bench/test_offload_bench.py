@@ -170,12 +170,28 @@ def test_bench_needs_a_benchmark_name(capsys: pytest.CaptureFixture[str]) -> Non
     assert exc.value.code == 2
 
 
-def test_svg_chart_has_a_bar_per_point_and_direction(tmp_path: Any) -> None:
+def test_svg_chart_has_a_bar_label_per_point_and_direction(tmp_path: Any) -> None:
+    """The chart (matplotlib, text kept as text): every point's label, a value label per
+    bar (store and load per point), the series and the targets in the legend."""
     from xml.etree import ElementTree
 
     path = tmp_path / "chart.svg"
     assert main([*_TINY, "--svg", str(path)]) == 0
     root = ElementTree.fromstring(path.read_text())
-    bars = [e for e in root.iter("{http://www.w3.org/2000/svg}rect")
-            if float(e.get("height", 0)) > 12]
-    assert len(bars) == 2 * len(OffloadGrid.quick().points())  # store and load per point
+    texts = ["".join(e.itertext()).strip() for e in root.iter("{http://www.w3.org/2000/svg}text")]
+    points = OffloadGrid.quick().points()
+    values = [t for t in texts if t.replace(".", "", 1).isdigit()]
+    assert len(values) >= 2 * len(points)  # one per bar, plus the axis ticks
+    assert {"store", "load", "target 0.9", "target 0.7"} <= set(texts)
+    assert "Date" not in path.read_text()  # reruns with equal numbers give equal files
+
+
+def test_svg_without_matplotlib_says_what_to_install(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvspec.bench._chart as chart
+
+    monkeypatch.setattr(chart, "MISSING", "--svg needs matplotlib")
+    assert main([*_TINY, "--svg", str(tmp_path / "c.svg")]) == 2
+    assert "--svg needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "c.svg").exists()
