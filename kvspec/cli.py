@@ -595,8 +595,9 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     if args.svg:
         from .bench._chart import bar_chart
 
-        series = [(name, list(values.values())) for name, values in result.ratios().items()
-                  if name != "offload_own_x_smaller"]
+        names = {"pd_ttft": "P/D hand-off", "offload_ttft": "offload hit"}
+        series = [(names[name], list(values.values()))
+                  for name, values in result.ratios().items() if name in names]
         parts = ([f"P/D {n}" for n in options.pd_lengths] if result.pd else [],
                  [f"offload {n}" for n in options.offload_lengths] if result.offload else [])
         labels = [" / ".join(x for x in pair if x) for pair in

@@ -30,7 +30,7 @@ def bar_chart(
 
     Raises:
         ValueError: no labels or series, or a series without one value per label.
-        ModuleNotFoundError: matplotlib is not installed (:data:`MISSING` says so).
+        ModuleNotFoundError: matplotlib is not installed (``MISSING`` says so).
     """
     if not labels or not series or any(len(v) != len(labels) for _, v in series):
         raise ValueError("bar_chart needs labels and one value per label in every series")
