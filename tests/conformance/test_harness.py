@@ -471,9 +471,9 @@ def test_each_poison_found_in_a_loaded_block_names_its_clause(
     rt.register()
     try:
         value = float(getattr(_worker, poison))
-        got = torch.full((4, 4), value)
+        got = torch.full((8, 4, 4), value)  # the 8 tokens read: positions x heads x chans
         r = {"id": "r", "blocks": [3, 5], "ext": (4, 8), "tokens": list(range(9))}
-        v = rt._attribute(r, [], 5, 0, got, torch.zeros(4, 4))
+        v = rt._attribute(r, [], 5, 0, got, torch.zeros(8, 4, 4))
         assert v["clause"] == clause, v
     finally:
         rt.shutdown()

@@ -707,14 +707,12 @@ class Engine:
         except UnknownRequestError as e:
             if (e.request_id, e.direction) in self._completed:
                 req = self.requests.get(e.request_id or "")
-                if e.direction is Direction.RECV and req is not None and req.recv_done:
-                    self._violate("SCH-009", f"{e.message}: its load had already completed, "
-                                  "and the only call since was update_state_after_alloc with "
-                                  "num_external_tokens=0, so the connector started a second "
-                                  "load on it", "no load started by the update_state_after_"
-                                  "alloc call with num_external_tokens=0 after a finished load")
+                hint = ("; if the connector started a second load on the update_state_after_"
+                        "alloc call with num_external_tokens=0 that follows a finished load, "
+                        "that second load breaks SCH-009" if e.direction is Direction.RECV
+                        and req is not None and req.recv_done else "")
                 self._violate("WRK-009", f"{e.message} (it had already completed in an earlier "
-                              "step)", "each rank reports a request once per direction")
+                              f"step{hint})", "each rank reports a request once per direction")
             self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
         except ReportError as e:
             self._violate(e.clause or "EXE-008", e.message, "consistent reports")
