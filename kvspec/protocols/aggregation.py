@@ -31,7 +31,7 @@ This module imports nothing of kvspec but its sibling protocol modules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NoReturn
 
@@ -49,31 +49,6 @@ from kvspec.protocols.events import (
 )
 
 __all__ = ["StandardAggregator"]
-
-
-class _Entry:
-    """Accounting of one awaited request/direction."""
-
-    __slots__ = ("count", "ranks", "failed")
-
-    def __init__(self, count: int | None) -> None:
-        # The count from expect() (None: the default) until the first report arrives;
-        # from then on the fixed count.
-        self.count = count
-        self.ranks: set[int] = set()
-        self.failed = False
-
-
-class _Batch:
-    """The new reports of one step for one request/direction (built before commit)."""
-
-    __slots__ = ("ranks", "failed", "override", "override_rank")
-
-    def __init__(self) -> None:
-        self.ranks: list[int] = []
-        self.failed = False
-        self.override: int | None = None
-        self.override_rank = -1
 
 
 def _check_count(value: object, what: str, world_size: int) -> int:
@@ -124,7 +99,8 @@ class StandardAggregator:
             is not between 1 and ``world_size``.
     """
 
-    __slots__ = ("_world_size", "_default_count", "_pending")
+    __slots__ = ("_world_size", "_default_count", "_count", "_custom", "_fresh", "_by_rank",
+                 "_failed")
 
     def __init__(self, world_size: int, *, expected_count: int | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -137,7 +113,17 @@ class StandardAggregator:
             if expected_count is None
             else _check_count(expected_count, "expected_count", world_size)
         )
-        self._pending: dict[tuple[str, Direction], _Entry] = {}
+        # Per direction (0: SEND, 1: RECV), keyed by request id (a str hashes in C, an
+        # Enum in Python): the number of reports that completes each awaited request; the
+        # awaited requests whose count is not the world size; those no rank reported yet
+        # (their count can still be overridden, EXE-008); per rank, the awaited requests
+        # it reported. And the receives that failed on some rank so far.
+        self._count: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._custom: tuple[set[str], set[str]] = (set(), set())
+        self._fresh: tuple[set[str], set[str]] = (set(), set())
+        self._by_rank: tuple[list[set[str]], list[set[str]]] = (
+            [set() for _ in range(world_size)], [set() for _ in range(world_size)])
+        self._failed: set[str] = set()
 
     @property
     def world_size(self) -> int:
@@ -168,25 +154,68 @@ class StandardAggregator:
             InvalidArgumentError: An argument is malformed, or the request/direction is
                 already awaited (EXE-011).
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(
-                f"request_id is {request_id!r}; expected a non-empty string",
-                clause="EXE-011",
-            )
-        if not isinstance(direction, Direction):
+        if type(request_id) is not str or not request_id:
+            if not isinstance(request_id, str) or not request_id:
+                raise InvalidArgumentError(
+                    f"request_id is {request_id!r}; expected a non-empty string",
+                    clause="EXE-011",
+                )
+        if direction is Direction.SEND:
+            d = 0
+        elif direction is Direction.RECV:
+            d = 1
+        else:
             raise InvalidArgumentError(
                 f"direction is {direction!r}; expected a Direction", clause="EXE-011"
             )
-        if count is not None:
-            count = _check_count(count, "count", self._world_size)
-        key = (request_id, direction)
-        if key in self._pending:
+        counts = self._count[d]
+        if request_id in counts:
             raise InvalidArgumentError(
                 f"request {request_id!r} is already awaited for {direction.value}; "
                 "expected each request/direction to be registered once until it completes",
                 clause="EXE-011",
             )
-        self._pending[key] = _Entry(count)
+        n = self._default_count if count is None else _check_count(
+            count, "count", self._world_size)
+        counts[request_id] = n
+        if n != self._world_size:
+            self._custom[d].add(request_id)
+        self._fresh[d].add(request_id)
+
+    def expect_many(self, request_ids: Iterable[str], direction: Direction) -> None:
+        """``expect`` for several requests of one direction at once, with the default count:
+        what an engine registers in one step (the requests whose ``request_finished``
+        returned True, or whose async loads start). All or none are registered.
+
+        Raises:
+            InvalidArgumentError: as ``expect``, for the first bad id; nothing changed then.
+        """
+        ids = request_ids if type(request_ids) is frozenset else frozenset(request_ids)
+        if direction is Direction.SEND:
+            d = 0
+        elif direction is Direction.RECV:
+            d = 1
+        else:
+            raise InvalidArgumentError(
+                f"direction is {direction!r}; expected a Direction", clause="EXE-011"
+            )
+        if not all(type(r) is str and r for r in ids):
+            bad = next(r for r in ids if type(r) is not str or not r)
+            raise InvalidArgumentError(
+                f"request_id is {bad!r}; expected a non-empty string", clause="EXE-011"
+            )
+        counts = self._count[d]
+        again = counts.keys() & ids
+        if again:
+            raise InvalidArgumentError(
+                f"request {min(again)!r} is already awaited for {direction.value}; "
+                "expected each request/direction to be registered once until it completes",
+                clause="EXE-011",
+            )
+        counts.update(dict.fromkeys(ids, self._default_count))
+        if self._default_count != self._world_size:
+            self._custom[d].update(ids)
+        self._fresh[d].update(ids)
 
     def aggregate(self, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
         """Combine one step's outputs, one per rank (index = rank), into one.
@@ -198,6 +227,9 @@ class StandardAggregator:
         the union over ranks (EXE-005); stats and worker metadata are reduced with
         ``aggregate`` in rank order, events concatenated in rank order (EXE-006,
         EXE-007). Its ``expected_finished_count`` is None.
+
+        Work: set operations over each rank's reported ids (in C); a request whose count
+        is not the world size costs one Python step more per step it is reported in.
 
         Raises:
             InvalidArgumentError: ``outputs`` does not hold exactly one
@@ -225,143 +257,187 @@ class StandardAggregator:
                 f"{self._world_size} in all",
                 clause="EXE-010",
             )
+        overridden = False
+        failed_now: set[str] = set()
+        stats = worker_metadata = events = invalid = False
         for rank, out in enumerate(outputs):
-            if not isinstance(out, KVConnectorOutput):
+            if type(out) is not KVConnectorOutput and not isinstance(out, KVConnectorOutput):
                 raise InvalidArgumentError(
                     f"output of rank {rank} is {type(out).__name__}; expected a "
                     "KVConnectorOutput",
                     clause="EXE-010",
                 )
-
-        # Phase 1: validate and plan; no state changes.
-        batches: dict[tuple[str, Direction], _Batch] = {}
-        pending = self._pending
-        for rank, out in enumerate(outputs):
             override = out.expected_finished_count
-            if override is not None and override > self._world_size:
-                raise ReportError(
-                    f"rank {rank} reports expected_finished_count {override}; expected at "
-                    f"most the world size {self._world_size}",
-                    rank=rank,
-                    clause="EXE-008",
-                )
-            for direction, ids in (
-                (Direction.SEND, out.finished_sending),
-                (Direction.RECV, out.finished_recving),
-            ):
-                for request_id in ids:
-                    key = (request_id, direction)
-                    entry = pending.get(key)
-                    if entry is None:
-                        _unknown(
-                            f"rank {rank} reports request {request_id!r} finished "
-                            f"{direction.value}ing, but the engine does not await that "
-                            "(never registered with expect(), or already complete); "
-                            "expected reports only for awaited requests",
-                            rank=rank,
-                            request_id=request_id,
-                            direction=direction,
-                        )
-                    if rank in entry.ranks:
-                        err = DoubleReportError(
-                            f"rank {rank} reports request {request_id!r} finished "
-                            f"{direction.value}ing a second time before it completed; "
-                            "expected each rank to report it exactly once",
-                            rank=rank,
-                            request_id=request_id,
-                            direction=direction,
-                            clause="EXE-002",
-                        )
-                        raise err
-                    batch = batches.get(key)
-                    if batch is None:
-                        batch = batches[key] = _Batch()
-                    batch.ranks.append(rank)
-                    if direction is Direction.RECV and request_id in out.failed_recving:
-                        batch.failed = True
-                    if override is not None and not entry.ranks:
-                        if batch.override is None:
-                            batch.override = override
-                            batch.override_rank = rank
-                        elif batch.override != override:
-                            raise ReportError(
-                                f"ranks {batch.override_rank} and {rank} disagree on "
-                                f"expected_finished_count for request {request_id!r} "
-                                f"({direction.value}): {batch.override} vs {override}; "
-                                "expected every rank to report the same count",
-                                rank=rank,
-                                request_id=request_id,
-                                clause="EXE-008",
-                            )
+            if override is not None:
+                overridden = True
+                if override > self._world_size:
+                    raise ReportError(
+                        f"rank {rank} reports expected_finished_count {override}; expected "
+                        f"at most the world size {self._world_size}",
+                        rank=rank,
+                        clause="EXE-008",
+                    )
+            if out.failed_recving:
+                failed_now |= out.failed_recving
+            stats = stats or out.stats is not None
+            worker_metadata = worker_metadata or out.worker_metadata is not None
+            events = events or bool(out.events)
+            invalid = invalid or bool(out.invalid_block_ids)
 
-        # Decide counts and completions.
-        sending: list[str] = []
-        recving: list[str] = []
-        failed: list[str] = []
-        fixed: dict[tuple[str, Direction], int] = {}
-        for key, batch in batches.items():
-            entry = pending[key]
-            if entry.ranks:
-                count = entry.count if entry.count is not None else self._default_count
-            else:
-                # Counting starts now: fix the count (EXE-008 precedence).
-                if batch.override is not None:
-                    count = batch.override
-                elif entry.count is not None:
-                    count = entry.count
-                else:
-                    count = self._default_count
-                fixed[key] = count
-            room = count - len(entry.ranks)
-            if len(batch.ranks) > room:
-                request_id, direction = key
-                rank = batch.ranks[room]
-                _unknown(
-                    f"rank {rank} reports request {request_id!r} finished "
-                    f"{direction.value}ing, but it already completed in this step after "
-                    f"{count} reports; expected at most {count} reports",
-                    rank=rank,
-                    request_id=request_id,
-                    direction=direction,
-                )
-            if len(batch.ranks) == room:
-                request_id, direction = key
-                if direction is Direction.SEND:
-                    sending.append(request_id)
-                else:
-                    recving.append(request_id)
-                    if entry.failed or batch.failed:
-                        failed.append(request_id)
-
-        stats = _reduce(outputs, "stats", "EXE-006")
-        worker_metadata = _reduce(outputs, "worker_metadata", "EXE-007")
-        events: list[KVCacheEvent] = []
-        invalid: set[int] = set()
-        for out in outputs:
-            events.extend(out.events)
-            invalid.update(out.invalid_block_ids)
-        result = KVConnectorOutput(
-            finished_sending=sending,
-            finished_recving=recving,
-            failed_recving=failed,
-            invalid_block_ids=invalid,
-            stats=stats,
-            events=events,
-            worker_metadata=worker_metadata,
-        )
+        # Phase 1: validate, and everything that can still fail; no state changes.
+        fixed = self._overrides(outputs) if overridden else ({}, {})
+        steps: list[frozenset[str]] = []
+        planned: list[frozenset[str] | None] = []  # completions, or None: the fast path
+        for d in (0, 1):
+            counts, by_rank = self._count[d], self._by_rank[d]
+            keys = counts.keys()
+            reported = [out.finished_recving if d else out.finished_sending for out in outputs]
+            for rank, ids in enumerate(reported):
+                if ids:
+                    if not keys >= ids:
+                        self._raise_unknown(rank, d, min(ids.difference(counts)))
+                    if not ids.isdisjoint(by_rank[rank]):
+                        self._raise_double(rank, d, min(ids & by_rank[rank]))
+            step = frozenset().union(*reported)
+            steps.append(step)
+            if step and (fixed[d] or not step.isdisjoint(self._custom[d])):
+                planned.append(self._completions(d, reported, step, fixed[d]))
+            else:  # every request reported counts to the world size: decided below
+                planned.append(None)
+        stats_sum = _reduce(outputs, "stats", "EXE-006") if stats else None
+        metadata_sum = _reduce(outputs, "worker_metadata", "EXE-007") if worker_metadata else None
 
         # Phase 2: commit.
-        for key, count in fixed.items():
-            pending[key].count = count
-        for key, batch in batches.items():
-            entry = pending[key]
-            entry.ranks.update(batch.ranks)
-            entry.failed = entry.failed or batch.failed
-        for request_id in sending:
-            del pending[(request_id, Direction.SEND)]
-        for request_id in recving:
-            del pending[(request_id, Direction.RECV)]
-        return result
+        done: list[frozenset[str]] = []
+        for d in (0, 1):
+            step = steps[d]
+            if not step:
+                done.append(step)
+                continue
+            fix = fixed[d]
+            if fix:
+                self._count[d].update(fix)
+                self._custom[d].update(r for r, n in fix.items() if n != self._world_size)
+            by_rank = self._by_rank[d]
+            for rank, out in enumerate(outputs):
+                new = out.finished_recving if d else out.finished_sending
+                if new:
+                    by_rank[rank].update(new)
+            self._fresh[d].difference_update(step)
+            complete = planned[d]
+            if complete is None:  # complete once every rank reported it
+                complete = step.intersection(*by_rank)
+            done.append(complete)
+            if complete:
+                counts = self._count[d]
+                for request_id in complete:
+                    del counts[request_id]
+                if self._custom[d]:
+                    self._custom[d].difference_update(complete)
+                for reported_ids in by_rank:
+                    reported_ids.difference_update(complete)
+        sending, recving = done
+        failed: frozenset[str] = frozenset()
+        if recving and (failed_now or self._failed):
+            failed = recving & (failed_now | self._failed)
+        if failed_now:
+            self._failed.update(failed_now)
+        if recving and self._failed:
+            self._failed.difference_update(recving)
+        return KVConnectorOutput._trusted(
+            sending, recving, failed,
+            frozenset().union(*(o.invalid_block_ids for o in outputs)) if invalid
+            else frozenset(),
+            stats_sum,
+            tuple(e for o in outputs for e in o.events) if events else (),
+            metadata_sum,
+        )
+
+    def _completions(self, d: int, reported: list[frozenset[str]], step: frozenset[str],
+                     fixed: dict[str, int]) -> frozenset[str]:
+        """The requests of ``step`` whose count the reports of this step reach, counted
+        one by one (some count is not the world size, or was just overridden).
+
+        Raises:
+            UnknownRequestError: more reports than the count in this step (EXE-003).
+        """
+        counts, by_rank = self._count[d], self._by_rank[d]
+        complete = []
+        for request_id in step:
+            count = fixed.get(request_id) or counts[request_id]
+            before = sum(request_id in ids for ids in by_rank)
+            now = sum(request_id in ids for ids in reported)
+            if before + now >= count:
+                if before + now > count:
+                    ranks = [rank for rank, ids in enumerate(reported) if request_id in ids]
+                    direction = _DIRECTIONS[d]
+                    _unknown(
+                        f"rank {ranks[count - before]} reports request {request_id!r} "
+                        f"finished {direction.value}ing, but it already completed in this "
+                        f"step after {count} reports; expected at most {count} reports",
+                        rank=ranks[count - before],
+                        request_id=request_id,
+                        direction=direction,
+                    )
+                complete.append(request_id)
+        return frozenset(complete)
+
+    @staticmethod
+    def _raise_unknown(rank: int, d: int, request_id: str) -> NoReturn:
+        direction = _DIRECTIONS[d]
+        _unknown(
+            f"rank {rank} reports request {request_id!r} finished {direction.value}ing, "
+            "but the engine does not await that (never registered with expect(), or "
+            "already complete); expected reports only for awaited requests",
+            rank=rank,
+            request_id=request_id,
+            direction=direction,
+        )
+
+    @staticmethod
+    def _raise_double(rank: int, d: int, request_id: str) -> NoReturn:
+        direction = _DIRECTIONS[d]
+        raise DoubleReportError(
+            f"rank {rank} reports request {request_id!r} finished {direction.value}ing a "
+            "second time before it completed; expected each rank to report it exactly once",
+            rank=rank,
+            request_id=request_id,
+            direction=direction,
+            clause="EXE-002",
+        )
+
+    def _overrides(
+        self, outputs: Sequence[KVConnectorOutput]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """The counts fixed by ``expected_finished_count`` in this step, per direction:
+        for requests no rank reported before, from the outputs that report them (EXE-008).
+
+        Raises:
+            ReportError: two ranks give different counts for one request.
+        """
+        fixed: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        source: dict[tuple[int, str], int] = {}
+        for rank, out in enumerate(outputs):
+            override = out.expected_finished_count
+            if override is None:
+                continue
+            for d, ids in ((0, out.finished_sending), (1, out.finished_recving)):
+                for request_id in ids & self._fresh[d]:
+                    known = fixed[d].get(request_id)
+                    if known is None:
+                        fixed[d][request_id] = override
+                        source[(d, request_id)] = rank
+                    elif known != override:
+                        raise ReportError(
+                            f"ranks {source[(d, request_id)]} and {rank} disagree on "
+                            f"expected_finished_count for request {request_id!r} "
+                            f"({_DIRECTIONS[d].value}): {known} vs {override}; "
+                            "expected every rank to report the same count",
+                            rank=rank,
+                            request_id=request_id,
+                            clause="EXE-008",
+                        )
+        return fixed
 
     def pending(self) -> Mapping[tuple[str, Direction], int]:
         """A snapshot of every awaited request/direction and how many reports remain.
@@ -370,21 +446,22 @@ class StandardAggregator:
         from ``expect`` or the default; an output's ``expected_finished_count`` may
         still change it (EXE-008).
         """
-        default = self._default_count
-        return MappingProxyType(
-            {
-                key: (default if entry.count is None else entry.count) - len(entry.ranks)
-                for key, entry in self._pending.items()
-            }
-        )
+        return MappingProxyType({
+            (request_id, _DIRECTIONS[d]):
+                count - sum(request_id in ids for ids in self._by_rank[d])
+            for d in (0, 1) for request_id, count in self._count[d].items()
+        })
 
     def reported_by(self, request_id: str, direction: Direction) -> frozenset[int]:
         """The ranks that reported an awaited request/direction so far.
 
         Empty when none did, or when it is not awaited (never registered, or complete).
         """
-        entry = self._pending.get((request_id, direction))
-        return frozenset() if entry is None else frozenset(entry.ranks)
+        d = 0 if direction is Direction.SEND else 1
+        return frozenset(rank for rank, ids in enumerate(self._by_rank[d]) if request_id in ids)
+
+
+_DIRECTIONS = (Direction.SEND, Direction.RECV)
 
 
 def _reduce(

@@ -552,6 +552,27 @@ class KVConnectorOutput:
         default=None, converter=_expected_finished_count
     )
 
+    @classmethod
+    def _trusted(
+        cls, finished_sending: frozenset[str], finished_recving: frozenset[str],
+        failed_recving: frozenset[str], invalid_block_ids: frozenset[int],
+        stats: SupportsAggregate | None, events: tuple[KVCacheEvent, ...],
+        worker_metadata: SupportsAggregate | None,
+    ) -> KVConnectorOutput:
+        """Build an output from fields already in their checked form, without checking
+        them again: for ``StandardAggregator``, whose result is made of the fields of
+        outputs that were checked when they were constructed (EVT-001), on the
+        executor's critical path. Not for anything that comes from a connector."""
+        out = object.__new__(cls)
+        for name, value in (("finished_sending", finished_sending),
+                            ("finished_recving", finished_recving),
+                            ("failed_recving", failed_recving),
+                            ("invalid_block_ids", invalid_block_ids), ("stats", stats),
+                            ("events", events), ("worker_metadata", worker_metadata),
+                            ("expected_finished_count", None)):
+            object.__setattr__(out, name, value)
+        return out
+
     def __attrs_post_init__(self) -> None:
         stray = self.failed_recving - self.finished_recving
         if stray:

@@ -558,6 +558,21 @@ class AggregatorMachine(RuleBasedStateMachine):
         self.model[key] = ModelEntry(count)
 
     @rule(data=st.data())
+    def expect_many(self, data: st.DataObject) -> None:
+        """Several requests of one direction at once, the default count: all or none."""
+        direction = data.draw(st.sampled_from([SEND, RECV]), label="direction")
+        rids = data.draw(st.sets(st.sampled_from(POOL), max_size=3), label="rids")
+        if any((rid, direction) in self.model for rid in rids):
+            before = dict(self.agg.pending())
+            with pytest.raises(InvalidArgumentError):
+                self.agg.expect_many(rids, direction)
+            assert dict(self.agg.pending()) == before
+            return
+        self.agg.expect_many(rids, direction)
+        for rid in rids:
+            self.model[(rid, direction)] = ModelEntry(None)
+
+    @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         # Mostly valid reports; sometimes one stray report (unknown, double or surplus),
         # and per-output count overrides that are absent, agreeing or arbitrary.
@@ -694,3 +709,20 @@ def test_stats_whose_aggregate_returns_none_are_refused() -> None:
     outs = [KVConnectorOutput(stats=Lossy({"a": 1})), KVConnectorOutput(stats=Lossy({"a": 2}))]
     with pytest.raises(ReportError, match="returned None"):
         agg.aggregate(outs)
+
+
+def test_expect_many_registers_all_or_none() -> None:
+    agg = StandardAggregator(2)
+    agg.expect_many(["a", "b"], SEND)
+    assert dict(agg.pending()) == {("a", SEND): 2, ("b", SEND): 2}
+    with pytest.raises(InvalidArgumentError, match="'b' is already awaited"):
+        agg.expect_many(["c", "b"], SEND)
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        agg.expect_many(["d", ""], RECV)
+    with pytest.raises(InvalidArgumentError, match="Direction"):
+        agg.expect_many(["d"], "send")  # type: ignore[arg-type]
+    assert set(agg.pending()) == {("a", SEND), ("b", SEND)}
+    agg.expect_many([], RECV)
+    out = agg.aggregate([KVConnectorOutput(finished_sending={"a"}),
+                         KVConnectorOutput(finished_sending={"a", "b"})])
+    assert out.finished_sending == {"a"} and dict(agg.pending()) == {("b", SEND): 1}
