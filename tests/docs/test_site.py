@@ -233,3 +233,16 @@ def test_docstrings_hold_no_sphinx_roles() -> None:
     found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "kvspec").rglob("*.py"))
              for n, line in enumerate(p.read_text().splitlines(), 1) if role.search(line)]
     assert not found, f"Sphinx roles in {found[:10]}"
+
+
+def test_readme_and_home_page_count_the_clauses_of_the_registry() -> None:
+    """The README and the home page state the size of the spec; they drifted once (112
+    when the registry held 113)."""
+    from collections import Counter
+
+    clauses = list(CLAUSES.values()) if isinstance(CLAUSES, dict) else list(CLAUSES)
+    must = Counter(c.level.value for c in clauses)["MUST"]
+    readme = (ROOT / "README.md").read_text()
+    home = (ROOT / "docs" / "index.md").read_text()
+    assert f"{len(clauses)} clauses, {must} of them MUST" in readme
+    assert f"{len(clauses)} clauses (MUST / SHOULD / MAY)" in home
