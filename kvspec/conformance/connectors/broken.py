@@ -70,6 +70,7 @@ __all__ = [
     "PickledMetadataConnector",
     "PipelinedLookupConnector",
     "ReadAfterFreeConnector",
+    "ReloadsConnector",
     "UncheckedParamsConnector",
     "UnfencedSavesConnector",
     "UnknownReportConnector",
@@ -579,6 +580,44 @@ class PipelinedLookupConnector(BrokenConnector):
     scheduler_class = _PipelinedLookupScheduler
 
 
+class _ReloadsScheduler(SharedStorageScheduler):
+    """Starts the request's load again on the follow-up ``update_state_after_alloc`` with
+    ``num_external_tokens=0`` (SCH-009)."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._loaded: dict[str, LoadJob] = {}
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        job = self._loaded.pop(rid, None)
+        if num_external_tokens == 0 and job is not None and rid not in self._loading:
+            self._pending_loads.append(job)  # the slip: "make sure the blocks are there"
+            self._loading[rid] = job
+            return
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if rid in self._loading:
+            self._loaded[rid] = self._loading[rid]
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, object] | None]:
+        self._loaded.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+
+class ReloadsConnector(BrokenConnector):
+    """Breaks SCH-009: treats the second ``update_state_after_alloc`` of an async load
+    (``num_external_tokens=0``, after the load finished) as a request to load again, so the
+    blocks are loaded twice and the request's receive is reported twice."""
+
+    violates = "SCH-009"
+    selection = "test_second_allocation_starts_no_load"
+    scheduler_class = _ReloadsScheduler
+
+
 class _AssumesNhdWorker(SharedStorageWorker):
     """Copies loaded blocks in by address, as if every page were tokens x heads x channels
     (vLLM's NHD), whatever the registered stride order (LAY-007)."""
@@ -787,6 +826,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
         UnfencedSavesConnector,
         PipelinedLookupConnector,
         AssumesNhdConnector,
+        ReloadsConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

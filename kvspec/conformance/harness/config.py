@@ -59,6 +59,9 @@ class HarnessConfig:
         async_scheduling: Build step N+1's metadata before step N's output arrives (SCH-014).
         prefix_caching: The engine's own prefix cache.
         max_tokens_per_step: Token budget of one step (chunked prefill).
+        realloc_after_load: Call ``update_state_after_alloc`` again, with
+            ``num_external_tokens=0``, when a request whose async load finished is scheduled
+            (True, the default, as vLLM does; SCH-009 allows both).
         preempted_hold_s: Seconds a preempted request's freed blocks stay poisoned before
             the engine allocates them again (0, the default: at once, as engines do). A
             connector whose transfer reads them after ``handle_preemptions`` returned then
@@ -96,6 +99,7 @@ class HarnessConfig:
     async_scheduling: bool = False
     prefix_caching: bool = True
     max_tokens_per_step: int = 32
+    realloc_after_load: bool = True
     preempted_hold_s: float = 0.0
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0

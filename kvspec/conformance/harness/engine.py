@@ -466,7 +466,8 @@ class Engine:
                 break
             if not r.recv_done:
                 r.ext = (local, local + ext)
-            self._update_after_alloc(r, ext)
+            if not r.recv_done or self.config.realloc_after_load:
+                self._update_after_alloc(r, ext)
             if ext:
                 self._external[r.rid] = self._external.get(r.rid, 0) + ext
                 self._matched[r.rid] = self._matched.get(r.rid, 0) + ext

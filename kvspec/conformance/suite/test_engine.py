@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from ...protocols import RequestStatus
+from ...protocols import ContractViolation, RequestStatus
 from ..harness import Engine, RequestSpec, Workload, run_disaggregated, workloads
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
@@ -90,6 +90,31 @@ class TestEngine(ConformanceSuite):
                    "whether the previous step's output has arrived)")
         if not any(offered[False].values()):
             pytest.skip("the connector offered no tokens in either mode: nothing to compare")
+
+    @pytest.mark.kvspec_clause("SCH-009")
+    @pytest.mark.kvspec_requires("async_loads")
+    def test_second_allocation_starts_no_load(self, tmp_path: Path) -> None:
+        """When a request whose async load finished is scheduled, the engine calls
+        ``update_state_after_alloc`` again with ``num_external_tokens=0``; the connector
+        must start no load on it (SCH-009). The engine sees only a second receive report,
+        which is a double report (WRK-009) unless it goes away when the engine skips that
+        call: the same scenario is then served again without it, to tell them apart."""
+        try:
+            serve(self.factory, SCENARIOS["full-prompt-hit"], tmp_path / "with-call",
+                  prefix_caching=False)
+        except ContractViolation as e:
+            if e.clause != "WRK-009":
+                raise
+            try:
+                serve(self.factory, SCENARIOS["full-prompt-hit"], tmp_path / "without-call",
+                      prefix_caching=False, realloc_after_load=False)
+            except ContractViolation:
+                raise e from None
+            self.check(False, "SCH-009", observed=f"{e.observed}; served again without the "
+                       "update_state_after_alloc(..., num_external_tokens=0) call that follows "
+                       "a finished load, no request was received twice: that call started a "
+                       "second load", expected="no load started by the update_state_after_"
+                       "alloc call with num_external_tokens=0 after a finished load")
 
     @pytest.mark.kvspec_clause("LAY-001", "LAY-002", "LAY-004", "LAY-006", "LAY-007", "WRK-013")
     def test_every_accepted_layout(self, tmp_path: Path) -> None:
