@@ -143,5 +143,6 @@ def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigVi
         tp_size=_positive("tensor_parallel_size", parallel.tensor_parallel_size),
         pp_size=_positive("pipeline_parallel_size", parallel.pipeline_parallel_size),
         extra=extra,
-        async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        async_scheduling=bool(getattr(getattr(vllm_config, "scheduler_config", None),
+                                      "async_scheduling", False)),
     )
