@@ -11,7 +11,7 @@ __all__ = ["MISSING", "bar_chart"]
 
 MISSING = ("--svg needs matplotlib, which kvspec's 'bench' extra installs: "
            "pip install 'kvspec[bench]'")
-"""What to tell a user whose environment has no matplotlib, or None when it has one."""
+"""What to tell a user whose environment has no matplotlib; empty when it has one."""
 if importlib.util.find_spec("matplotlib") is not None:
     MISSING = ""
 

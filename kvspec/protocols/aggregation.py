@@ -160,14 +160,7 @@ class StandardAggregator:
                     f"request_id is {request_id!r}; expected a non-empty string",
                     clause="EXE-011",
                 )
-        if direction is Direction.SEND:
-            d = 0
-        elif direction is Direction.RECV:
-            d = 1
-        else:
-            raise InvalidArgumentError(
-                f"direction is {direction!r}; expected a Direction", clause="EXE-011"
-            )
+        d = _index(direction)
         counts = self._count[d]
         if request_id in counts:
             raise InvalidArgumentError(
@@ -191,14 +184,7 @@ class StandardAggregator:
             InvalidArgumentError: as ``expect``, for the first bad id; nothing changed then.
         """
         ids = request_ids if type(request_ids) is frozenset else frozenset(request_ids)
-        if direction is Direction.SEND:
-            d = 0
-        elif direction is Direction.RECV:
-            d = 1
-        else:
-            raise InvalidArgumentError(
-                f"direction is {direction!r}; expected a Direction", clause="EXE-011"
-            )
+        d = _index(direction)
         if not all(type(r) is str and r for r in ids):
             bad = next(r for r in ids if type(r) is not str or not r)
             raise InvalidArgumentError(
@@ -457,11 +443,22 @@ class StandardAggregator:
 
         Empty when none did, or when it is not awaited (never registered, or complete).
         """
-        d = 0 if direction is Direction.SEND else 1
+        d = _index(direction)
         return frozenset(rank for rank, ids in enumerate(self._by_rank[d]) if request_id in ids)
 
 
 _DIRECTIONS = (Direction.SEND, Direction.RECV)
+
+
+def _index(direction: Direction) -> int:
+    """0 for SEND, 1 for RECV: the aggregator's per-direction state is indexed by it."""
+    if direction is Direction.SEND:
+        return 0
+    if direction is Direction.RECV:
+        return 1
+    raise InvalidArgumentError(
+        f"direction is {direction!r}; expected a Direction", clause="EXE-011"
+    )
 
 
 def _reduce(

@@ -314,6 +314,17 @@ def _scheduled(step: int, new: tuple[NewRequestView, ...] = (),
                                num_scheduled_tokens=counts)
 
 
+def _run_two_steps(sched: OffloadScheduler) -> tuple[RequestView, Any]:
+    """Request "a" (9 prompt tokens, blocks 1-3) computed in step 1; step 2's metadata."""
+    a = _request("a", list(range(9)))
+    sched.on_new_request(a)
+    sched.get_num_new_matched_tokens(a, 0)
+    sched.build_connector_meta(_scheduled(
+        1, new=(NewRequestView(a, AllocatedBlocks.single((1, 2, 3)), 0),)))
+    return a, sched.build_connector_meta(_scheduled(2, cached=(CachedRequestView(
+        "a", num_computed_tokens=9),)))
+
+
 def test_running_requests_prompt_blocks_are_stored_while_they_run() -> None:
     """``store_when="computed"`` (the default): the step after a prompt block is computed
     stores it; the request's stores are reported together once it finished (WRK-010), and
@@ -366,13 +377,7 @@ def test_a_preempted_requests_stores_are_fenced_and_it_stores_again_when_resumed
     worker, layout, layers = _registered(offload_slots=8, load_delay_s=0.0)
     worker._faults = FaultPlan(delay_s=0.2)  # every copy waits 0.2 s first
     try:
-        a = _request("a", list(range(9)))
-        sched.on_new_request(a)
-        sched.get_num_new_matched_tokens(a, 0)
-        sched.build_connector_meta(_scheduled(
-            1, new=(NewRequestView(a, AllocatedBlocks.single((1, 2, 3)), 0),)))
-        meta = sched.build_connector_meta(_scheduled(2, cached=(CachedRequestView(
-            "a", num_computed_tokens=9),)))
+        a, meta = _run_two_steps(sched)
         assert isinstance(meta, OffloadMetadata) and [j.block_ids for j in meta.stores] == [(1, 2)]
         _run(worker, meta)
         (job,) = worker._stores["a"]
@@ -391,13 +396,7 @@ def test_a_preempted_requests_stores_are_fenced_and_it_stores_again_when_resumed
 
 def test_store_when_finished_stores_nothing_while_running() -> None:
     sched = OffloadScheduler(_config(offload_store="finished"))
-    a = _request("a", list(range(9)))
-    sched.on_new_request(a)
-    sched.get_num_new_matched_tokens(a, 0)
-    sched.build_connector_meta(_scheduled(
-        1, new=(NewRequestView(a, AllocatedBlocks.single((1, 2, 3)), 0),)))
-    meta = sched.build_connector_meta(_scheduled(2, cached=(CachedRequestView(
-        "a", num_computed_tokens=9),)))
+    a, meta = _run_two_steps(sched)
     assert isinstance(meta, OffloadMetadata) and not meta.stores
     with pytest.raises(InvalidArgumentError, match="offload_store"):
         OffloadScheduler(_config(offload_store="sometimes"))

@@ -848,15 +848,15 @@ class OffloadScheduler(SchedulerConnector):
                 r = running[new.request_id] = _Running(new.request, new.blocks.block_ids(0))
                 todo.append((r, new.num_computed_tokens))
         for cached in scheduler_output.scheduled_cached_reqs:
-            r_or_none = running.get(cached.request_id)
-            if r_or_none is None:
+            known = running.get(cached.request_id)
+            if known is None:
                 continue
             if cached.resumed_from_preemption:  # its blocks were replaced
-                r_or_none.block_ids = list(cached.new_blocks.block_ids(0))
-                r_or_none.upto = 0
+                known.block_ids = list(cached.new_blocks.block_ids(0))
+                known.upto = 0
             else:
-                r_or_none.block_ids.extend(cached.new_blocks.block_ids(0))
-            todo.append((r_or_none, cached.num_computed_tokens))
+                known.block_ids.extend(cached.new_blocks.block_ids(0))
+            todo.append((known, cached.num_computed_tokens))
         for r, computed in todo:
             full = min(len(r.request.block_hashes), computed // bs, len(r.block_ids))
             if full > r.upto:

@@ -558,6 +558,8 @@ class OffloadWorker(WorkerConnector):
         # together, once it finished (WRK-010) and all of them ended.
         self._finishing.update(r for r in finished_req_ids if r in self._stores)
         for rid, jobs in list(self._stores.items()):
+            if not jobs and rid not in self._finishing:
+                continue  # a running request whose stores all ended: nothing to do yet
             running = []
             for j in jobs:
                 bad = self._outcome(j, now)
