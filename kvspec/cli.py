@@ -104,6 +104,10 @@ def _conform(args: argparse.Namespace) -> int:
     for flag, path in (("--report", report_path), ("--write-xfail", args.write_xfail)):
         if path and _unwritable(flag, path):
             return 2
+    if any(s.startswith("vllm:") for s in args.specs):
+        rerun = _rerun_under_vllm("conform", args)
+        if rerun is not None:
+            return rerun
     specs = list(args.specs) or list(DEFAULT_CONNECTORS)
     extra = list(args.pytest_args)
     if args.write_xfail:
@@ -118,6 +122,30 @@ def _conform(args: argparse.Namespace) -> int:
         json.dump(dict(result.report), sys.stdout, indent=2, default=_plain_json)
         sys.stdout.write("\n")
     return result.exit_code
+
+
+def _rerun_under_vllm(command: str, args: argparse.Namespace) -> int | None:
+    """Run this command line again under the vLLM environment's python when vLLM is not
+    importable here (``vllm:`` connectors need it); None to go on in this process."""
+    import importlib.util
+    import subprocess
+
+    from .vllm.engine import vllm_python
+
+    if importlib.util.find_spec("vllm") is not None or os.environ.get("KVSPEC_NO_RERUN"):
+        return None
+    python = vllm_python()
+    if python is None or python == sys.executable:
+        return None  # loading the spec then says what is missing
+    print(f"kvspec {command}: vLLM is not importable here; running under {python}",
+          file=sys.stderr, flush=True)
+    env = dict(os.environ, KVSPEC_NO_RERUN="1")
+    try:
+        return subprocess.run([python, "-m", "kvspec", *args.argv], timeout=5400,
+                              check=False, env=env).returncode
+    except subprocess.TimeoutExpired:
+        print(f"kvspec {command}: timed out after 5400 s", file=sys.stderr)
+        return 1
 
 
 def _plain_json(value: object) -> object:
@@ -469,7 +497,39 @@ def _parser() -> argparse.ArgumentParser:
                     help="tokens generated per request (default 16)")
     vd.add_argument("--json", action="store_true", help="print the report as JSON")
     vd.set_defaults(func=_demo_vllm)
+    vc = sub.add_parser(
+        "vllm-connectors", help="certify vLLM's own connectors, write docs/vllm-connectors.md",
+        description="Run the conformance suite on vLLM's connectors (kvspec conform "
+                    "vllm:NAME, one process each) and write their results, every failure "
+                    "with the finding that explains it, as a Markdown page. Exits 1 if a "
+                    "failure has no explanation. Needs the vLLM environment "
+                    "($KVSPEC_VLLM_PYTHON or .venv-vllm, built by scripts/vllm_env.sh).",
+    )
+    vc.add_argument("names", nargs="*", metavar="NAME",
+                    help="vLLM connector names (default: ExampleConnector NixlConnector "
+                         "OffloadingConnector LMCacheConnectorV1)")
+    vc.add_argument("--out", default="docs/vllm-connectors.md", metavar="PATH",
+                    help="the page to write (default docs/vllm-connectors.md)")
+    vc.set_defaults(func=_vllm_connectors)
     return p
+
+
+def _vllm_connectors(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from .vllm.engine import vllm_python
+
+    python = vllm_python()
+    if python is None:
+        return _no_vllm("vllm-connectors")
+    if _unwritable("--out", args.out):
+        return 2
+    cmd = [python, "-m", "kvspec.vllm.certify.report", "--out", args.out, *args.names]
+    try:
+        return subprocess.run(cmd, timeout=4 * 3600, check=False).returncode
+    except subprocess.TimeoutExpired:
+        print("kvspec vllm-connectors: timed out after 4 h", file=sys.stderr)
+        return 1
 
 
 def _write(path: str, text: str) -> None:
@@ -717,6 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1:]
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = argv + (["--", *passthrough] if passthrough else [])
     if passthrough:
         if args.command != "conform":
             parser.error(f"arguments after -- are only for 'kvspec conform': {passthrough}")

@@ -238,7 +238,11 @@ def kvspec_factory(request: pytest.FixtureRequest) -> ConnectorFactory:
             "kvspec.conformance.make_suite",
             pytrace=False,
         )
-    return load_factory(spec)
+    factory = load_factory(spec)
+    unavailable = getattr(factory, "unavailable_reason", None)
+    if isinstance(unavailable, str) and unavailable:
+        pytest.skip(f"{factory.name} cannot run here: {unavailable}")
+    return factory
 
 
 @pytest.fixture(scope="class")

@@ -5,6 +5,11 @@ colon may be a dotted attribute path, ``"pkg.module:Outer.Factory"``), a class w
 no-argument constructor, or a factory instance. ``load_factory`` accepts all three;
 ``factory_spec`` goes back from an instance to an import path so that worker processes
 (the suite's, an engine's) can re-create the factory.
+
+A spec may also name a connector of another engine through a *scheme*: ``"vllm:Name"``
+or ``"vllm:pkg.module:ClassName"`` is a vLLM ``KVConnectorBase_V1`` run by
+``kvspec.vllm.certify``. The scheme's module is imported by name only when a spec uses it,
+so this module still imports nothing else of kvspec.
 """
 
 from __future__ import annotations
@@ -19,6 +24,14 @@ from .errors import InvalidArgumentError
 __all__ = ["factory_spec", "load_factory"]
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+_SCHEMES = {"vllm": ("kvspec.vllm.certify", "factory_from_spec",
+                     "needs vLLM installed (pip install kvspec[vllm], or on a CPU-only "
+                     "machine scripts/vllm_env.sh)")}
+"""Spec prefix -> (module, function taking the rest of the spec, what the scheme needs)."""
+
+SPEC_ATTRIBUTE = "__kvspec_spec__"
+"""A factory whose ``__kvspec_spec__`` is a string is re-created from that spec."""
 
 _FACTORY_MEMBERS = ("name", "capabilities", "create_scheduler", "create_worker", "create_executor")
 
@@ -59,13 +72,30 @@ def _import_attribute(spec: str) -> object:
     return obj
 
 
+def _from_scheme(spec: str) -> object | None:
+    scheme, sep, rest = spec.partition(":")
+    if not sep or scheme not in _SCHEMES:
+        return None
+    module_name, function, needs = _SCHEMES[scheme]
+    if not rest:
+        raise InvalidArgumentError(f"bad connector spec {spec!r}: nothing after '{scheme}:'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise InvalidArgumentError(
+            f"connector spec {spec!r} {needs}; importing {module_name} failed: {e}") from e
+    built: object = getattr(module, function)(rest)
+    return built
+
+
 def load_factory(spec: str | ConnectorFactory | type) -> ConnectorFactory:
     """Return the validated connector factory a spec names.
 
     Args:
         spec: ``"pkg.module:Name"`` (``Name`` may be a dotted attribute path; the attribute
-            may itself be a class or an instance), a class (instantiated with no arguments),
-            or a factory instance (used as is).
+            may itself be a class or an instance), a scheme spec such as
+            ``"vllm:ExampleConnector"`` (see the module docstring), a class (instantiated
+            with no arguments), or a factory instance (used as is).
 
     Returns:
         An object that satisfies ``ConnectorFactory``, whose
@@ -78,7 +108,9 @@ def load_factory(spec: str | ConnectorFactory | type) -> ConnectorFactory:
             object is not a connector factory; the message says which.
     """
     where = repr(spec) if isinstance(spec, str) else f"{spec!r}"
-    obj: object = _import_attribute(spec) if isinstance(spec, str) else spec
+    obj: object = spec
+    if isinstance(spec, str):
+        obj = _from_scheme(spec) or _import_attribute(spec)
     if isinstance(obj, type):
         cls = obj
         try:
@@ -123,7 +155,8 @@ def _has_member(obj: object, member: str) -> bool:
 
 
 def factory_spec(factory: ConnectorFactory | type) -> str:
-    """Return the ``"module:QualName"`` import path of a factory's class.
+    """Return the ``"module:QualName"`` import path of a factory's class, or the spec an
+    instance declares in ``__kvspec_spec__`` (scheme factories such as ``vllm:Name``).
 
     Worker subprocesses re-create the factory from it with ``load_factory``, so the class
     must be importable: defined at module level (or nested in module-level classes) in a
@@ -132,6 +165,9 @@ def factory_spec(factory: ConnectorFactory | type) -> str:
     Raises:
         InvalidArgumentError: The class is not importable by name.
     """
+    declared = getattr(factory, SPEC_ATTRIBUTE, None)
+    if not isinstance(factory, type) and isinstance(declared, str):
+        return declared
     cls = factory if isinstance(factory, type) else type(factory)
     module, qualname = cls.__module__, cls.__qualname__
     if "<locals>" in qualname or module == "__main__":

@@ -23,6 +23,7 @@ import attrs
 
 from kvspec.protocols import (
     ConnectorFactory,
+    load_factory,
     ConnectorMetadata,
     ConnectorStats,
     ContractViolation,
@@ -123,9 +124,7 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
         init = json.loads(conn_in.recv_bytes())
         before = snapshot()  # what this process holds before the connector exists
         sys.path[:] = init["path"]
-        factory = _import(init["factory"])
-        if isinstance(factory, type):
-            factory = factory()
+        factory = load_factory(init["factory"])
         config = HarnessConfig.from_plain(init["config"])
         rt = WorkerRuntime(factory, config, init["rank"], init["tmpdir"])
         rt.register()

@@ -196,7 +196,9 @@ class Engine:
                 self.config.tp_size, expected_count=self._finished_count()
             )
         self.executor: ExecutorConnector = executor
-        spec = factory_spec or f"{type(factory).__module__}:{type(factory).__qualname__}"
+        declared = getattr(factory, "__kvspec_spec__", None)  # scheme factories (vllm:Name)
+        spec = factory_spec or (declared if isinstance(declared, str) else
+                                f"{type(factory).__module__}:{type(factory).__qualname__}")
         self._spec = spec
         self.workers: WorkerGroup = (
             InProcessWorkers(factory, self.config, self.tmpdir) if self.config.tp_size == 1

@@ -1,0 +1,103 @@
+"""What kvspec's suite found in vLLM's own connectors, explained.
+
+Each failure of a certification run is matched to one finding here by connector, clause and
+a pattern over the violation message; ``kvspec vllm-connectors`` prints the explanation
+next to the failing tests and reports any failure no finding explains (the command then
+fails: a failure is never published unexplained). A finding is one of four kinds:
+
+* ``connector bug``: the connector does something wrong that vLLM would suffer too;
+* ``connector quirk``: legal but surprising behaviour worth knowing;
+* ``kvspec stricter``: kvspec asks for more than vLLM needs (the spec says why);
+* ``kvspec mistake``: the spec or the harness was wrong (then fixed; listed for the record).
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+__all__ = ["FINDINGS", "Finding", "KINDS"]
+
+KINDS = ("connector bug", "connector quirk", "kvspec stricter", "kvspec mistake")
+
+
+@attrs.frozen
+class Finding:
+    """One explained cause of failures.
+
+    Attributes:
+        id: Short stable id, e.g. ``EX-1``.
+        connector: The vLLM connector name.
+        clause: The clause its failures break.
+        match: Regular expression searched in the failure message.
+        kind: One of ``KINDS``.
+        title: One line.
+        detail: What the connector did, why it breaks the clause, and what it costs in vLLM.
+    """
+
+    id: str
+    connector: str
+    clause: str
+    match: str = attrs.field(validator=lambda _i, _a, v: re.compile(v) and None)
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    title: str
+    detail: str
+
+    def explains(self, connector: str, message: str) -> bool:
+        """Whether this finding explains a failure of ``connector`` with ``message``."""
+        return (connector == self.connector and f"clause {self.clause} " in message
+                and re.search(self.match, message) is not None)
+
+
+FINDINGS: tuple[Finding, ...] = (
+    Finding(
+        "EX-1", "ExampleConnector", "ERR-010", r"start_load_kv raised RuntimeError: shape mismatch",
+        "connector bug",
+        "Under chunked prefill it stores a partial prompt under the whole prompt's key, and a "
+        "later hit crashes",
+        "`build_connector_meta` stores a new request in the step that first schedules it, with "
+        "the slot mapping of the blocks allocated so far. Under chunked prefill (vLLM's default) "
+        "those blocks cover only the first chunk, so the file written under the hash of the "
+        "whole prompt holds only the first chunk's rows (after a preemption, likewise). A later "
+        "request with that prompt matches and `start_load_kv` fails to copy 8 rows into 60 "
+        "slots: the worker raises, which in vLLM ends the engine.",
+    ),
+    Finding(
+        "EX-2", "ExampleConnector", "ERR-010", r"start_load_kv raised FileNotFoundError",
+        "connector bug",
+        "It looks up one prefix length and loads another, so some hits crash on a missing file",
+        "`get_num_new_matched_tokens` checks the folder of the first `(len-2)//bs*bs` prompt "
+        "tokens but `start_load_kv` reads the folder of `(len-1)//bs*bs` tokens. When "
+        "`len-1` is a multiple of the block size and another prompt stored the shorter "
+        "prefix, the match succeeds and the load opens a file that was never written. (When "
+        "nothing else stored the shorter prefix the same mismatch only misses: a prompt of "
+        "`k*bs+1` tokens never hits its own store.)",
+    ),
+    Finding(
+        "EX-3", "ExampleConnector", "WRK-013", r"was loaded with wrong bytes",
+        "connector bug",
+        "Under tensor parallelism every rank writes the same files",
+        "File names are the prompt hash and the layer name, without the rank. Each TP rank "
+        "holds other heads, so the ranks overwrite each other's files and a hit loads another "
+        "rank's heads into this rank's cache: the bytes differ from what the rank computed.",
+    ),
+    Finding(
+        "EX-4", "ExampleConnector", "SCH-020", r"under another cache salt or LoRA id",
+        "connector bug",
+        "Stored KV is shared across cache salts and LoRA adapters",
+        "The storage key is the token ids plus multimodal hashes only. A request with another "
+        "`cache_salt` (the tenant isolation vLLM's own prefix cache honours) or another LoRA "
+        "adapter loads KV computed for someone else: a cross-tenant leak and wrong KV for "
+        "LoRA.",
+    ),
+    Finding(
+        "EX-5", "ExampleConnector", "SCH-004", r"match count -\d+",
+        "connector bug",
+        "A one-token prompt gets a negative match count",
+        "`align_to_block_size(len(prompt) - 1)` is `(0 - 1)//bs*bs = -bs` for a one-token "
+        "prompt. If any earlier prompt of at most `bs+1` tokens stored the empty prefix (its "
+        "folder exists), `get_num_new_matched_tokens` returns `-bs`, which vLLM's scheduler "
+        "adds to the request's computed tokens.",
+    ),
+)

@@ -1,0 +1,222 @@
+"""kvspec's views as the real vLLM objects a ``KVConnectorBase_V1`` expects.
+
+The reverse of ``kvspec.vllm._translate``: the harness speaks kvspec views; a vLLM connector
+reads vLLM's ``Request``, ``KVCacheBlocks``, ``SchedulerOutput``, ``ForwardContext`` and
+``VllmConfig``, and keeps references to requests across hooks (reading their
+``num_computed_tokens``, tokens and status later). So each request is one real
+``vllm.v1.request.Request`` for its whole life, brought up to date from the view at every
+hook, the way vLLM's scheduler mutates its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvspec.protocols import (
+    AllocatedBlocks,
+    ForwardContextView,
+    ForwardKind,
+    InvalidArgumentError,
+    KVConnectorOutput,
+    KVCacheLayout,
+    RequestStatus,
+    RequestView,
+    SchedulerOutputView,
+    TransferRole,
+    thaw_params,
+)
+
+__all__ = ["RequestBook", "forward_context", "kv_cache_config", "scheduler_output",
+           "vllm_blocks", "vllm_config", "vllm_output"]
+
+_ROLES = {TransferRole.PRODUCER: "kv_producer", TransferRole.CONSUMER: "kv_consumer",
+          TransferRole.BOTH: "kv_both"}
+
+
+def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
+                engine_id: str, block_size: int, tp_size: int, extra: Mapping[str, Any],
+                transfer: Mapping[str, Any]) -> Any:
+    """A real ``VllmConfig`` selecting ``connector``, with no model (none is needed)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    return VllmConfig(
+        cache_config=CacheConfig(block_size=block_size),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector, kv_connector_module_path=module_path,
+            kv_role=_ROLES[role], engine_id=engine_id,
+            kv_connector_extra_config=dict(extra), **dict(transfer)),
+    )
+
+
+def kv_cache_config(layout: KVCacheLayout, layer_names: tuple[str, ...]) -> Any:
+    """vLLM's ``KVCacheConfig`` for one group of full-attention layers in ``layout``."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=layout.block_size, num_kv_heads=layout.num_heads,
+                             head_size=layout.head_size_k, dtype=layout.dtype)
+    return KVCacheConfig(num_blocks=layout.num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(layer_names), spec)])
+
+
+_STATUS = {RequestStatus.WAITING: "WAITING",
+           RequestStatus.WAITING_FOR_REMOTE_KV: "WAITING_FOR_REMOTE_KVS",
+           RequestStatus.RUNNING: "RUNNING", RequestStatus.PREEMPTED: "PREEMPTED",
+           # the harness ends requests at their token budget: vLLM's "length capped"
+           RequestStatus.FINISHED: "FINISHED_LENGTH_CAPPED",
+           RequestStatus.ABORTED: "FINISHED_ABORTED"}
+
+
+class RequestBook:
+    """One live vLLM ``Request`` per request id, kept in step with kvspec's views.
+
+    Args:
+        block_size: Tokens per block (for vLLM's block hasher).
+        params_for_new: ``kv_transfer_params`` added to every new request that has none
+            of its own (what a P/D proxy adds on the prefill engine, e.g.
+            ``{"do_remote_decode": True}`` for vLLM's NIXL connector), or None.
+    """
+
+    def __init__(self, block_size: int, params_for_new: Mapping[str, Any] | None) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import RequestStatus as VllmStatus
+
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(block_size, sha256)
+        self._status = {k: VllmStatus[v] for k, v in _STATUS.items()}
+        self._params_for_new = dict(params_for_new) if params_for_new else None
+        self._live: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def get(self, view: RequestView) -> Any:
+        """The vLLM request for ``view``, created on first sight and updated from it."""
+        req = self._live.get(view.request_id)
+        if req is None:
+            req = self._live[view.request_id] = self._create(view)
+        req.status = self._status[view.status]
+        req.num_computed_tokens = view.num_computed_tokens
+        have = len(req.output_token_ids)
+        if len(view.output_token_ids) > have:
+            req.append_output_token_ids(list(view.output_token_ids[have:]))
+        return req
+
+    def known(self, request_id: str) -> Any:
+        """The vLLM request last updated under ``request_id``, or None."""
+        return self._live.get(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (after ``request_finished``)."""
+        self._live.pop(request_id, None)
+
+    def _create(self, view: RequestView) -> Any:
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = thaw_params(view.kv_transfer_params) if view.kv_transfer_params else None
+        if params is None and self._params_for_new is not None:
+            params = dict(self._params_for_new)
+        try:
+            sampling = SamplingParams(
+                max_tokens=1 << 20, ignore_eos=True, detokenize=False,
+                extra_args={"kv_transfer_params": params} if params else None)
+        except Exception as e:  # vLLM's front end refuses such params before any connector
+            raise InvalidArgumentError(
+                f"request {view.request_id!r}: vLLM refuses these kv_transfer_params at its "
+                f"API ({type(e).__name__}: {e}); expected what vLLM's SamplingParams accepts",
+                clause="ERR-002") from e
+        lora = None
+        if view.lora_id is not None:
+            lora = LoRARequest(lora_name=f"kvspec-lora-{view.lora_id}",
+                               lora_int_id=view.lora_id, lora_path="/kvspec/no-such-lora")
+        return Request(view.request_id, list(view.prompt_token_ids), sampling, None,
+                       cache_salt=view.cache_salt, lora_request=lora,
+                       block_hasher=self._hasher)
+
+
+def vllm_blocks(blocks: AllocatedBlocks) -> Any:
+    """``AllocatedBlocks`` as vLLM's ``KVCacheBlocks``, one list of blocks per group."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in blocks.groups))
+
+
+def _ids(blocks: AllocatedBlocks) -> tuple[list[int], ...]:
+    return tuple(list(group) for group in blocks.groups)
+
+
+def scheduler_output(view: SchedulerOutputView, book: RequestBook, groups: int) -> Any:
+    """A ``SchedulerOutputView`` as vLLM's ``SchedulerOutput`` (the requests it names are
+    brought up to date in ``book`` first, as vLLM's scheduler has them when it builds one)."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = []
+    for nv in view.scheduled_new_reqs:
+        req = book.get(nv.request)
+        req.num_computed_tokens = nv.num_computed_tokens
+        new.append(NewRequestData.from_request(req, _ids(nv.blocks)))
+    cached = CachedRequestData.make_empty()
+    for cv in view.scheduled_cached_reqs:
+        req = book.known(cv.request_id)
+        cached.req_ids.append(cv.request_id)
+        if cv.resumed_from_preemption:
+            cached.resumed_req_ids.add(cv.request_id)
+            cached.all_token_ids[cv.request_id] = list(req.all_token_ids) if req else []
+        cached.new_token_ids.append(list(cv.new_token_ids))
+        cached.new_block_ids.append(_ids(cv.new_blocks) if cv.new_blocks.groups else None)
+        cached.num_computed_tokens.append(cv.num_computed_tokens)
+        cached.num_output_tokens.append(len(req.output_token_ids) if req else 0)
+    tokens = dict(view.num_scheduled_tokens)
+    return SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=tokens,
+        total_num_scheduled_tokens=sum(tokens.values()), scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, num_common_prefix_blocks=[0] * groups,
+        finished_req_ids=set(view.finished_req_ids), free_encoder_mm_hashes=[],
+        preempted_req_ids=set(view.preempted_req_ids),
+    )
+
+
+def vllm_output(out: KVConnectorOutput) -> Any:
+    """The executor's aggregated kvspec output as vLLM's ``KVConnectorOutput``."""
+    from vllm.v1.outputs import KVConnectorOutput as VllmOutput
+
+    return VllmOutput(
+        finished_sending=set(out.finished_sending), finished_recving=set(out.finished_recving),
+        invalid_block_ids=set(out.invalid_block_ids), failed_recving=set(out.failed_recving),
+        expected_finished_count=out.expected_finished_count or 0,
+    )
+
+
+class _Layer:
+    """What vLLM's ``ForwardContext.no_compile_layers`` holds for an attention layer: an
+    object whose ``kv_cache`` is the layer's registered tensor."""
+
+    __slots__ = ("kv_cache", "layer_name")
+
+    def __init__(self, name: str, kv_cache: torch.Tensor) -> None:
+        self.layer_name = name
+        self.kv_cache = kv_cache
+
+
+def forward_context(view: ForwardContextView, kv_caches: Mapping[str, torch.Tensor]) -> Any:
+    """vLLM's ``ForwardContext`` for a forward: the attention layers with their KV tensors,
+    and per-layer attention metadata, or None when the forward runs no tokens (vLLM passes
+    None for steps that schedule nothing and for dummy runs)."""
+    from vllm.forward_context import ForwardContext
+
+    layers = {name: _Layer(name, t) for name, t in kv_caches.items()}
+    attn: Any = None
+    if view.num_tokens and view.kind in (ForwardKind.REAL, ForwardKind.REPLAY):
+        attn = {name: types.SimpleNamespace(num_actual_tokens=view.num_tokens)
+                for name in view.layer_names}
+    return ForwardContext(no_compile_layers=layers, attn_metadata=attn, slot_mapping={})

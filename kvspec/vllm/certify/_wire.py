@@ -1,0 +1,318 @@
+"""vLLM connector metadata on kvspec's wire: MessagePack through msgspec, never pickle.
+
+vLLM hands a connector's ``KVConnectorMetadata`` from the scheduler to the workers by
+pickling it. kvspec's harness requires metadata that encodes to bytes and decodes with
+validation (ERR-005, ERR-006), so the wrapper carries vLLM's object in ``VllmMetadata``:
+the bytes are the metadata class's ``module:qualname`` and its fields in MessagePack,
+decoded back into that class by msgspec against the class's own type annotations (strict:
+a wrong type is an error, not a coercion). Tensors travel as dtype, shape and raw bytes.
+The bytes are decoded untyped first (MessagePack runs no code), then built into the
+annotated types field by field, so unions msgspec itself refuses (vLLM's
+``tuple[list[int], ...] | list[list[int]]``) work too.
+
+Decoding imports nothing: the class must already be loaded in the decoding process (the
+connector's module loaded it) and must be a ``KVConnectorMetadata`` subclass that msgspec
+decodes (a dataclass of plain values, tensors and nested dataclasses) or a plain class whose
+no-argument ``__init__`` declares every attribute with an annotation
+(``self.reqs: dict[str, ReqMeta] = {}``, as vLLM's ``NixlConnectorMetadata`` does): its
+attributes are then encoded by name and decoded against those annotations.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections.abc
+import dataclasses
+import enum
+import functools
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from typing import Any
+
+import msgspec
+import torch
+from typing_extensions import Self
+
+from kvspec.protocols import InvalidArgumentError, MalformedMetadataError
+
+__all__ = ["VllmMetadata", "decode_value", "encode_value"]
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
+class _Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    kind: str
+    cls: str
+    body: msgspec.Raw
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise InvalidArgumentError(f"a {t.dtype} tensor cannot be encoded; "
+                                       f"supported dtypes: {sorted(_DTYPES)}")
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return [name, list(t.shape), raw]
+    raise NotImplementedError(f"cannot encode a {type(obj).__qualname__}")
+
+
+def _tensor(obj: Any) -> torch.Tensor:
+    if not (isinstance(obj, list) and len(obj) == 3 and isinstance(obj[0], str)
+            and isinstance(obj[1], list) and isinstance(obj[2], bytes)
+            and all(type(n) is int and n >= 0 for n in obj[1])):
+        raise ValueError(f"expected a tensor [dtype, shape, bytes], got {obj!r:.80}")
+    name, shape, data = obj
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"unknown tensor dtype {name!r}")
+    count = 1
+    for n in shape:
+        count *= n
+    if len(data) != count * dtype.itemsize:
+        raise ValueError(f"a {name} tensor of shape {shape} needs {count * dtype.itemsize} "
+                         f"bytes, got {len(data)}")
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+_ATOMS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float, int), str: (str,),
+                                       bool: (bool,), bytes: (bytes,)}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(value: Any, typ: Any, where: str) -> Any:
+    """Plain decoded data as ``typ``, checked all the way down (no coercion, no code run)."""
+    if typ is Any or typ is object:
+        return value
+    if typ is type(None) or typ is None:
+        if value is not None:
+            raise ValueError(f"{where}: expected None, got {type(value).__name__}")
+        return None
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for member in args:
+            try:
+                return _build(value, member, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{where}: matches no member of {typ}: {'; '.join(errors)}")
+    if typ in _ATOMS:
+        if not isinstance(value, _ATOMS[typ]) or (typ is int and isinstance(value, bool)):
+            raise ValueError(f"{where}: expected {typ.__name__}, got {type(value).__name__}")
+        return float(value) if isinstance(value, (int, float)) and typ is float else value
+    if typ is torch.Tensor:
+        return _tensor(value)
+    if origin in (list, set, frozenset, tuple, collections.abc.Sequence,
+                  collections.abc.Set) or typ in (list, set, tuple):
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected an array, got {type(value).__name__}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ValueError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_build(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [_build(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        kind = origin or typ
+        return {tuple: tuple, set: set, frozenset: frozenset,
+                collections.abc.Set: frozenset}.get(kind, list)(items)
+    if origin in (dict, collections.abc.Mapping) or typ is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a map, got {type(value).__name__}")
+        kt, vt = args or (Any, Any)
+        return {_build(k, kt, f"{where} key"): _build(v, vt, f"{where}[{k!r}]")
+                for k, v in value.items()}
+    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a {typ.__qualname__} map, got "
+                             f"{type(value).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(typ)}
+        if set(value) != set(fields):
+            raise ValueError(f"{where}: {typ.__qualname__} fields {sorted(value)}; expected "
+                             f"{sorted(fields)}")
+        hints = _hints(typ)
+        built = {k: _build(v, hints[k], f"{where}.{k}") for k, v in value.items()}
+        obj = typ(**{k: v for k, v in built.items() if fields[k].init})
+        for k, v in built.items():
+            if not fields[k].init:
+                object.__setattr__(obj, k, v)
+        return obj
+    if isinstance(typ, type) and issubclass(typ, enum.Enum):
+        try:
+            return typ(value)
+        except ValueError:
+            raise ValueError(f"{where}: {value!r} is not a {typ.__qualname__}") from None
+    if typing.get_origin(typ) is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{where}: {value!r} is not one of {args}")
+        return value
+    raise ValueError(f"{where}: the wrapper cannot decode a {typ!r}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def encode_value(value: object) -> bytes:
+    """Encode ``value`` (dataclasses, sets, dicts, tensors ...) as MessagePack."""
+    try:
+        return _ENCODER.encode(value)
+    except (TypeError, NotImplementedError, InvalidArgumentError) as e:
+        raise InvalidArgumentError(
+            f"{type(value).__qualname__} cannot be encoded without pickle: {e}; the wrapper "
+            "carries dataclasses of plain values, tensors and nested dataclasses",
+            clause="ERR-006",
+        ) from e
+
+
+def decode_value(data: bytes, typ: Any) -> Any:
+    """Decode ``encode_value``'s bytes as ``typ``, strictly.
+
+    Raises:
+        MalformedMetadataError: the bytes are not a ``typ`` (ERR-005).
+    """
+    try:
+        if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+            return msgspec.msgpack.decode(data, type=typ)
+        return _build(msgspec.msgpack.decode(data), typ, "metadata")
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError,
+            RecursionError) as e:
+        raise MalformedMetadataError(f"not a {getattr(typ, '__qualname__', typ)}: {e}",
+                                     clause="ERR-005") from None
+
+
+def loaded_class(path: str, base: type) -> type:
+    """The already-loaded subclass of ``base`` named ``module:qualname``; imports nothing.
+
+    Raises:
+        MalformedMetadataError: no such class is loaded, or it is not a ``base``.
+    """
+    module, _, qualname = path.partition(":")
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split(".") if obj is not None and qualname else ():
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise MalformedMetadataError(
+            f"{path!r} is not a loaded {base.__qualname__} subclass; the decoding process "
+            "decodes only classes its connector module already loaded", clause="ERR-005")
+    return obj
+
+
+@functools.cache
+def _init_annotations(cls: type) -> dict[str, Any] | None:
+    """``{attribute: type}`` from ``self.x: T = ...`` in a plain class's ``__init__``, or
+    None when the class has other attributes, needs arguments or its source is unreadable."""
+    init = cls.__dict__.get("__init__")
+    if init is None or len(inspect.signature(init).parameters) != 1:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    scope = vars(sys.modules[cls.__module__])
+    out: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) \
+                and isinstance(node.target.value, ast.Name) and node.target.value.id == "self":
+            try:
+                out[node.target.attr] = eval(  # noqa: S307 - the class's own source text
+                    compile(ast.Expression(node.annotation), "<annotation>", "eval"), scope)
+            except Exception:
+                return None
+    return out if set(out) == set(vars(cls())) else None
+
+
+def _is_structured(cls: type) -> bool:
+    return dataclasses.is_dataclass(cls)
+
+
+def _metadata_payload(value: object) -> bytes:
+    cls = type(value)
+    if _is_structured(cls):
+        return encode_value(value)
+    fields = _init_annotations(cls)  # type: ignore[arg-type]  # classes are hashable
+    if fields is None:
+        raise InvalidArgumentError(
+            f"{cls.__qualname__} cannot be encoded without pickle: it is neither a dataclass, "
+            "nor a class whose no-argument __init__ annotates every "
+            "attribute it sets", clause="ERR-006")
+    return encode_value({k: getattr(value, k) for k in fields})
+
+
+def _metadata_value(cls: type, body: bytes) -> object:
+    if _is_structured(cls):
+        return decode_value(body, cls)
+    fields = _init_annotations(cls)
+    if fields is None:
+        raise MalformedMetadataError(f"{cls.__qualname__} has no decodable form",
+                                     clause="ERR-005")
+    raw = decode_value(body, dict[str, Any])
+    if set(raw) != set(fields):
+        raise MalformedMetadataError(f"{cls.__qualname__} fields {sorted(raw)}; expected "
+                                     f"{sorted(fields)}", clause="ERR-005")
+    value = cls()
+    for name, typ in fields.items():
+        try:
+            setattr(value, name, _build(raw[name], typ, name))
+        except (ValueError, TypeError, RecursionError) as e:
+            raise MalformedMetadataError(f"{cls.__qualname__}: {e}", clause="ERR-005") from None
+    return value
+
+
+class VllmMetadata:
+    """A vLLM connector's step metadata, as kvspec ``ConnectorMetadata`` (ERR-006).
+
+    Attributes:
+        value: The vLLM ``KVConnectorMetadata`` the scheduler role built.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VllmMetadata) and self.encode() == other.encode()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"VllmMetadata({self.value!r})"
+
+    def encode(self) -> bytes:
+        """The class path and the fields, in MessagePack."""
+        cls = type(self.value)
+        return _ENCODER.encode(_Envelope("vllm-metadata", f"{cls.__module__}:{cls.__qualname__}",
+                                         msgspec.Raw(_metadata_payload(self.value))))
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        """Rebuild the metadata; see the module docstring for what is accepted.
+
+        Raises:
+            MalformedMetadataError: anything ``encode`` did not write (ERR-005).
+        """
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MalformedMetadataError(f"vLLM metadata must be bytes, got {type(data).__name__}",
+                                         clause="ERR-005")
+        env = decode_value(bytes(data), _Envelope)
+        if env.kind != "vllm-metadata":
+            raise MalformedMetadataError(f"kind is {env.kind!r}; expected 'vllm-metadata'",
+                                         clause="ERR-005")
+        typ = loaded_class(env.cls, KVConnectorMetadata)
+        return cls(_metadata_value(typ, bytes(env.body)))

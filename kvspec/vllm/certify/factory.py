@@ -1,0 +1,329 @@
+"""Any vLLM ``KVConnectorBase_V1`` as a kvspec ``ConnectorFactory``, for the suite to certify.
+
+``VllmConnectorFactory("ExampleConnector")`` (a name vLLM's connector factory registers) or
+``VllmConnectorFactory("pkg.mod:ClassName")`` (an out-of-tree connector) builds the vLLM
+connector's two roles inside kvspec's scheduler and worker roles. Every hook translates
+kvspec's views into the real vLLM objects (``Request``, ``KVCacheBlocks``,
+``SchedulerOutput``, ``ForwardContext``, ``VllmConfig``) and the answers back; metadata
+crosses as MessagePack (``VllmMetadata``), never pickled. The suite names it
+``vllm:ExampleConnector`` or ``vllm:pkg.mod:ClassName``.
+
+What the translation cannot carry, by design:
+
+* vLLM's ``handle_preemptions`` takes the step's metadata; kvspec's takes the preempted ids
+  before the metadata is bound. The wrapper calls vLLM's when the step's metadata is bound,
+  before vLLM's ``bind_connector_metadata``, the order vLLM itself uses.
+* Transfer stats, KV-cache events and worker metadata are not translated (they are vLLM
+  types only vLLM's own scheduler and loggers read); the wrapper reports none.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from kvspec.protocols import (
+    SPEC_VERSION,
+    AllocatedBlocks,
+    Capabilities,
+    ConnectorMetadata,
+    EngineConfigView,
+    ForwardContextView,
+    HandshakeMetadata,
+    InvalidArgumentError,
+    KVCacheEvent,
+    KVCacheLayout,
+    KVConnectorOutput,
+    MalformedMetadataError,
+    RequestView,
+    SchedulerConnector,
+    SchedulerOutputView,
+    TransferRole,
+    WorkerConnector,
+)
+
+from . import _objects
+from ._profiles import Profile, profile_for
+from ._wire import VllmMetadata, decode_value, encode_value, loaded_class
+
+__all__ = ["VllmConnectorFactory"]
+
+
+def _connector_class(spec: str) -> tuple[str, str | None, type]:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    module, sep, name = spec.rpartition(":")
+    if not name or (sep and not module) or not name.isidentifier():
+        raise InvalidArgumentError(
+            f"bad vLLM connector {spec!r}: expected a name vLLM registers (e.g. "
+            "'ExampleConnector') or 'package.module:ClassName'")
+    try:
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(
+            kv_connector=name, kv_connector_module_path=module or None, kv_role="kv_both"))
+    except Exception as e:
+        known = ", ".join(sorted(KVConnectorFactory._registry))
+        raise InvalidArgumentError(
+            f"vLLM connector {spec!r} cannot be loaded: {type(e).__name__}: {e} (vLLM "
+            f"registers: {known}; an out-of-tree one is 'package.module:ClassName')") from e
+    return name, module or None, cls
+
+
+class VllmConnectorFactory:
+    """A vLLM connector class as a kvspec connector factory.
+
+    Args:
+        connector: A connector name vLLM registers, or ``"package.module:ClassName"``.
+
+    Raises:
+        InvalidArgumentError: the connector cannot be found or loaded.
+    """
+
+    def __init__(self, connector: str) -> None:
+        if not isinstance(connector, str):
+            raise InvalidArgumentError(f"connector must be a str, got {type(connector).__name__}")
+        self.connector = connector
+        self._name, self._module, self.connector_class = _connector_class(connector)
+        self.profile: Profile = profile_for(self._name, self.connector_class)
+
+    @property
+    def __kvspec_spec__(self) -> str:
+        """How worker processes re-create this factory (``load_factory`` accepts it)."""
+        return f"vllm:{self.connector}"
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why the connector cannot run on this machine (the suite skips it), or None."""
+        return self.profile.unavailable
+
+    @property
+    def name(self) -> str:
+        """``vLLM <ClassName>``."""
+        return f"vLLM {self.connector_class.__qualname__}"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The declaration of ``profile_for`` (see ``kvspec.vllm.certify._profiles``)."""
+        return self.profile.capabilities
+
+    def vllm_config(self, config: EngineConfigView, tp_size: int | None = None) -> Any:
+        """The ``VllmConfig`` an engine with this kvspec configuration gives the connector."""
+        extra = {k: v for k, v in config.extra.items() if not k.startswith("kvspec.")}
+        return _objects.vllm_config(
+            connector=self._name, module_path=self._module, role=config.role,
+            engine_id=config.engine_id, block_size=config.block_size,
+            tp_size=tp_size or config.tp_size, extra={**self.profile.extra(config), **extra},
+            transfer=self.profile.transfer)
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """vLLM's scheduler role, wrapped."""
+        return _VllmScheduler(self, config)
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """vLLM's worker role for ``rank``, wrapped; built when the caches are registered
+        (vLLM's worker role needs the KV-cache shapes at construction)."""
+        return _VllmWorker(self, config, rank)
+
+    def create_executor(self, config: EngineConfigView) -> None:
+        """None: vLLM connectors use the standard aggregator."""
+        return None
+
+
+def _role(name: str) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    return KVConnectorRole[name]
+
+
+class _VllmScheduler(SchedulerConnector):
+    def __init__(self, factory: VllmConnectorFactory, config: EngineConfigView) -> None:
+        from vllm.config import set_current_vllm_config
+
+        self._factory = factory
+        self._vllm_config = factory.vllm_config(config)
+        with set_current_vllm_config(self._vllm_config):
+            self._conn = factory.connector_class(self._vllm_config, _role("SCHEDULER"), None)
+        producer = config.role is TransferRole.PRODUCER
+        self._book = _objects.RequestBook(
+            config.block_size, factory.profile.producer_params if producer else None)
+        self._closed = False
+
+    def on_new_request(self, request: RequestView) -> None:
+        self._conn.on_new_request(self._book.get(request))
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, load_async = self._conn.get_num_new_matched_tokens(
+            self._book.get(request), num_computed_tokens)
+        return count, bool(load_async)
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        self._conn.update_state_after_alloc(
+            self._book.get(request), _objects.vllm_blocks(blocks), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        groups = 1
+        out = _objects.scheduler_output(scheduler_output, self._book, groups)
+        return VllmMetadata(self._conn.build_connector_meta(out))
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+        req = self._book.get(request)
+        if isinstance(self._conn, SupportsHMA):
+            delay, params = self._conn.request_finished_all_groups(req, (list(block_ids),))
+        else:
+            delay, params = self._conn.request_finished(req, list(block_ids))
+        self._book.drop(request.request_id)
+        return bool(delay), params
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._conn.update_connector_output(_objects.vllm_output(output))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return ()
+
+    def get_finished_count(self) -> int | None:
+        count = self._conn.get_finished_count()
+        return None if count is None else int(count)
+
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, HandshakeMetadata]) -> None:
+        if metadata:
+            self._conn.set_xfer_handshake_metadata(
+                {rank: _unwrap_handshake(hs) for rank, hs in metadata.items()})
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._conn.shutdown()
+
+
+def _wrap_handshake(value: Any, engine_id: str, rank: int, layout: KVCacheLayout) -> HandshakeMetadata:
+    cls = type(value)
+    return HandshakeMetadata(
+        engine_id=engine_id, rank=rank, spec_version=SPEC_VERSION,
+        layout={"order": layout.order.value, "packing": layout.packing.value,
+                "dtype": str(layout.dtype).removeprefix("torch."), "block_size": layout.block_size},
+        payload={"cls": f"{cls.__module__}:{cls.__qualname__}",
+                 "data": base64.b64encode(encode_value(value)).decode()})
+
+
+def _unwrap_handshake(hs: HandshakeMetadata | None) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+    if hs is None:
+        return None
+    cls, data = hs.payload.get("cls"), hs.payload.get("data")
+    if not isinstance(cls, str) or not isinstance(data, str):
+        raise MalformedMetadataError(
+            f"rank {hs.rank}'s handshake payload lacks the vLLM 'cls' and 'data' strings",
+            clause="HSK-005")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError as e:
+        raise MalformedMetadataError(f"handshake data is not base64: {e}", clause="HSK-005") from None
+    return decode_value(raw, loaded_class(cls, KVConnectorHandshakeMetadata))
+
+
+class _VllmWorker(WorkerConnector):
+    def __init__(self, factory: VllmConnectorFactory, config: EngineConfigView, rank: int) -> None:
+        if not 0 <= rank < config.world_size:
+            raise InvalidArgumentError(f"rank {rank} is outside world size {config.world_size}")
+        self._factory, self._config, self._rank = factory, config, rank
+        self._conn: Any = None
+        self._kv: dict[str, torch.Tensor] = {}
+        self._layout: KVCacheLayout | None = None
+        self._preempted: frozenset[str] = frozenset()
+        self._failed: frozenset[str] = frozenset()
+        self._closed = False
+
+    def _vllm(self, hook: str) -> Any:
+        if self._conn is None:
+            raise InvalidArgumentError(f"{hook} before register_kv_caches: the vLLM worker "
+                                       "role is built when the KV caches are registered",
+                                       clause="WRK-001")
+        return self._conn
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout) -> None:
+        from vllm.config import set_current_vllm_config
+
+        vllm_config = self._factory.vllm_config(self._config)
+        kv_config = _objects.kv_cache_config(layout, tuple(kv_caches))
+        with set_current_vllm_config(vllm_config):
+            self._conn = self._factory.connector_class(vllm_config, _role("WORKER"), kv_config)
+            self._kv, self._layout = dict(kv_caches), layout
+            self._conn.register_kv_caches(dict(kv_caches))
+
+    def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
+        self._preempted = self._preempted | preempted_req_ids
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        conn = self._vllm("bind_connector_metadata")
+        if not isinstance(metadata, VllmMetadata):
+            raise InvalidArgumentError(
+                f"expected VllmMetadata, got {type(metadata).__name__}", clause="WRK-003")
+        if self._preempted:
+            self._preempted = frozenset()
+            conn.handle_preemptions(metadata.value)
+        conn.bind_connector_metadata(metadata.value)
+
+    def clear_connector_metadata(self) -> None:
+        self._vllm("clear_connector_metadata").clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        from vllm.forward_context import override_forward_context
+
+        ctx = _objects.forward_context(forward_context, self._kv)
+        with override_forward_context(ctx):
+            self._vllm("start_load_kv").start_load_kv(ctx)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._vllm("wait_for_layer_load").wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      forward_context: ForwardContextView) -> None:
+        from vllm.forward_context import override_forward_context
+
+        ctx = _objects.forward_context(forward_context, self._kv)
+        attn = ctx.attn_metadata[layer_name] if ctx.attn_metadata else None
+        with override_forward_context(ctx):
+            self._vllm("save_kv_layer").save_kv_layer(layer_name, kv_layer, attn)
+
+    def wait_for_save(self) -> None:
+        self._vllm("wait_for_save").wait_for_save()
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        conn = self._vllm("get_finished")
+        results = conn.get_transfer_results(set(finished_req_ids))
+        self._failed = frozenset(results.failed_recving)
+        return frozenset(results.finished_sending), frozenset(results.finished_recving)
+
+    def get_failed_recving(self) -> frozenset[str]:
+        return self._failed
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        return frozenset(self._vllm("get_block_ids_with_load_errors")
+                         .get_block_ids_with_load_errors() or ())
+
+    def get_finished_count_override(self) -> int | None:
+        return None
+
+    def get_handshake_metadata(self) -> HandshakeMetadata | None:
+        value = self._vllm("get_handshake_metadata").get_handshake_metadata()
+        if value is None or self._layout is None:
+            return None
+        return _wrap_handshake(value, self._config.engine_id, self._rank, self._layout)
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._conn is not None:
+                self._conn.shutdown()
