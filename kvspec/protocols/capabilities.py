@@ -54,6 +54,14 @@ def _orders(value: object) -> tuple[StrideOrder, ...]:
     return tuple(out)
 
 
+def _block_sizes(value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise InvalidArgumentError(
+            f"block_sizes must be a tuple of ints >= 1 (tokens per block), got {value!r}")
+    return tuple(dict.fromkeys(value))
+
+
 @attrs.frozen
 class Capabilities:
     """Everything a connector declares about what it does.
@@ -75,6 +83,10 @@ class Capabilities:
         needs_token_rows: The connector addresses single tokens or channels inside a page
             (partial-block copies, per-token reads). It cannot run on engines whose pages
             are opaque (vLLM-CPU); layout negotiation refuses it there (LAY-014).
+        block_sizes: Tokens per block the connector works with, in preference order; empty
+            (the default) means any. Engines and the suite run it at one of them (the suite
+            at the first). vLLM's NIXL connector on vLLM-CPU, for one, takes only multiples
+            of 32, what the CPU attention backend pages.
         fault_injection: The connector honours ``EngineConfigView.extra["kvspec.faults"]``
             (``FaultPlan``): it can be told to fail its loads or
             stores, or to keep every transfer in flight for a while, so the conformance
@@ -93,6 +105,7 @@ class Capabilities:
     handles_preemptions: bool = False
     needs_token_rows: bool = False
     fault_injection: bool = False
+    block_sizes: tuple[int, ...] = attrs.field(default=(), converter=_block_sizes)
 
     def __attrs_post_init__(self) -> None:
         for name in (
@@ -146,7 +159,7 @@ class Capabilities:
         for f in attrs.fields(Capabilities):
             v = getattr(self, f.name)
             if isinstance(v, tuple):
-                out[f.name] = [x.value for x in v]
+                out[f.name] = [x.value if isinstance(x, enum.Enum) else x for x in v]
             else:
                 out[f.name] = v.value if isinstance(v, enum.Enum) else v
         return out

@@ -44,10 +44,12 @@ class SchedulerConnector(Protocol):
 
         Must return ``(count, load_async)``: ``count`` is None to defer the answer
         (SCH-002; the engine asks again later, SCH-003) or an int in
-        ``[0, prompt tokens - num_computed_tokens]`` (SCH-004); ``num_computed_tokens + count``
-        must leave at least one prompt token to compute (SCH-005) and should end on a block
-        boundary (SCH-007); only KV the connector can deliver now counts (SCH-006), keyed by
-        salt and LoRA identity (SCH-020). ``load_async`` is True if the KV arrives between
+        ``[0, prompt tokens - num_computed_tokens]`` (SCH-004); for a synchronous load,
+        ``num_computed_tokens + count`` must leave at least one prompt token to compute (an
+        asynchronous load may cover the whole prompt: the engine computes the last token
+        again after it, SCH-005) and should end on a block boundary (SCH-007); only KV the
+        connector can deliver now counts (SCH-006), keyed by salt and LoRA identity
+        (SCH-020). ``load_async`` is True if the KV arrives between
         steps (the request then waits for ``finished_recving``, SCH-023); it must be False
         when ``count`` is 0 or None (SCH-004). For the same stored data the answer is the
         same whether the engine schedules synchronously or asynchronously (SCH-014): what

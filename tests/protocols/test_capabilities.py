@@ -198,7 +198,17 @@ def test_describe_defaults() -> None:
         "handles_preemptions": False,
         "needs_token_rows": False,
         "fault_injection": False,
+        "block_sizes": [],
     }
+
+
+def test_block_sizes_are_ints_in_preference_order() -> None:
+    caps = Capabilities(block_sizes=[32, 64, 32])
+    assert caps.block_sizes == (32, 64)
+    assert caps.describe()["block_sizes"] == [32, 64]
+    for bad in ("32", (0,), (True,), (16.0,), 32):
+        with pytest.raises(InvalidArgumentError, match="block_sizes"):
+            Capabilities(block_sizes=bad)
 
 
 caps_strategy = st.builds(
@@ -213,6 +223,7 @@ caps_strategy = st.builds(
     kv_cache_groups=st.integers(1, 16),
     custom_aggregator=st.booleans(),
     handles_preemptions=st.booleans(),
+    block_sizes=st.lists(st.integers(1, 64), max_size=3),
 ) | st.builds(
     Capabilities,
     async_loads=st.just(True),

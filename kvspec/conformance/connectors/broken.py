@@ -35,6 +35,7 @@ from kvspec.protocols import (
     SupportsAggregate,
 )
 
+from .layerwise import LayerwiseStorageConnector, LayerwiseStorageScheduler
 from .shared_storage import (
     HANDOFF_PARAM,
     LoadJob,
@@ -100,8 +101,8 @@ class BrokenConnector(SharedStorageConnector):
 # ------------------------------------------------------------------------------ scheduler
 
 
-class _FullPromptHitScheduler(SharedStorageScheduler):
-    """Matches up to the whole prompt (SCH-005)."""
+class _FullPromptHitScheduler(LayerwiseStorageScheduler):
+    """Matches up to the whole prompt, for a synchronous load (SCH-005)."""
 
     def _match_limit(self, request: RequestView) -> int:
         # Every prompt block may be matched, leaving nothing to compute when the prompt is a
@@ -109,12 +110,20 @@ class _FullPromptHitScheduler(SharedStorageScheduler):
         return request.num_prompt_tokens // self._block_size
 
 
-class FullPromptHitConnector(BrokenConnector):
+class FullPromptHitConnector(LayerwiseStorageConnector):
     """Breaks SCH-005: when every prompt block is stored and the prompt is a whole number of
-    blocks, it matches the whole prompt, leaving no token to compute."""
+    blocks, it matches the whole prompt for a synchronous load, leaving no token to compute.
+    (An asynchronous load may cover the whole prompt; the engine then computes the last
+    token again. The variant is therefore built on the synchronous layerwise connector.)"""
 
-    violates = "SCH-005"
+    violates: ClassVar[str] = "SCH-005"
+    selection: ClassVar[str] = BrokenConnector.selection
     scheduler_class = _FullPromptHitScheduler
+
+    @property
+    def name(self) -> str:
+        """``"broken-sch-005"``."""
+        return "broken-sch-005"
 
 
 class _AsyncZeroScheduler(SharedStorageScheduler):
@@ -802,7 +811,7 @@ class UnfencedSavesConnector(BrokenConnector):
     worker_class = _UnfencedSavesWorker
 
 
-BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector], str], ...] = tuple(
+BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
         FullPromptHitConnector,

@@ -621,10 +621,11 @@ class Engine:
         if count == 0 and is_async:
             self._violate("SCH-004", f"get_num_new_matched_tokens({r.rid!r}) returned (0, True)",
                           "load_async False when nothing matched")
-        if local + count > r.prompt_len - 1:
-            self._violate("SCH-005", f"{r.rid!r}: {local} computed + {count} matched tokens cover "
-                          f"the whole {r.prompt_len}-token prompt",
-                          f"at most {r.prompt_len - 1 - local} matched tokens (one left to compute)")
+        if local + count > r.prompt_len - 1 and not is_async:  # async: backed off at the end
+            self._violate("SCH-005", f"{r.rid!r}: {local} computed + {count} synchronously "
+                          f"matched tokens cover the whole {r.prompt_len}-token prompt",
+                          f"at most {r.prompt_len - 1 - local} matched tokens (one left to "
+                          "compute), or an asynchronous load")
         return count, is_async
 
     def _update_after_alloc(self, r: _Req, ext: int) -> None:
@@ -750,7 +751,9 @@ class Engine:
         start, end = r.ext  # end already cut at the first invalid block (SCH-024)
         if failed and not r.invalid_named:
             end = start  # a failure that named no block: recompute the whole load
-        r.num_computed = end
+        # An async load may cover the whole prompt; its last token is computed again so
+        # that the request can sample, as vLLM does (SCH-005).
+        r.num_computed = min(end, r.prompt_len - 1)
         r.recv_done = True
         self._external[rid] = self._external.get(rid, 0) + (end - start)
         _TALLY["loaded_tokens"] += end - start

@@ -49,14 +49,22 @@ SCENARIOS: Mapping[str, Workload] = MappingProxyType({
         RequestSpec("again", _P[:16] + (30, 31, 32, 33, 35), max_new_tokens=2,
                     arrival_step=16, local_cache_blocks=2),
     ),
-    # The same tokens under other tenants and adapters never share KV (SCH-020).
+    # The same tokens under other tenants and adapters never share KV (SCH-020). Two prompt
+    # lengths, 17 and 14 tokens (4*4+1 and 3*4+2), because a connector may hit only some
+    # lengths: vLLM's ExampleConnector never hits a k*bs+1 prompt it stored, and without the
+    # second length it escaped this scenario while sharing KV across salts.
     "tenants": _w(
         "tenants",
-        RequestSpec("plain", _P, max_new_tokens=2),
-        RequestSpec("salted-a", _P, max_new_tokens=2, cache_salt="tenant-a", arrival_step=8),
-        RequestSpec("salted-b", _P, max_new_tokens=2, cache_salt="tenant-b", arrival_step=16),
-        RequestSpec("lora", _P, max_new_tokens=2, lora_id=1, arrival_step=24),
-        RequestSpec("plain-again", _P, max_new_tokens=2, arrival_step=32),
+        *(r for i, p in enumerate((_P, _P[:14])) for r in (
+            RequestSpec(f"plain-{len(p)}", p, max_new_tokens=2, arrival_step=40 * i),
+            RequestSpec(f"salted-a-{len(p)}", p, max_new_tokens=2, cache_salt="tenant-a",
+                        arrival_step=40 * i + 8),
+            RequestSpec(f"salted-b-{len(p)}", p, max_new_tokens=2, cache_salt="tenant-b",
+                        arrival_step=40 * i + 16),
+            RequestSpec(f"lora-{len(p)}", p, max_new_tokens=2, lora_id=1,
+                        arrival_step=40 * i + 24),
+            RequestSpec(f"plain-again-{len(p)}", p, max_new_tokens=2, arrival_step=40 * i + 32),
+        )),
     ),
     # Aborts at every stage: waiting, just allocated (possibly waiting for remote KV),
     # running, and after finishing (SCH-015, SCH-021).

@@ -19,12 +19,15 @@ TIMEOUT_ENV = "KVSPEC_TRANSFER_TIMEOUT_S"
 
 
 def config_for(caps: Capabilities, **overrides: Any) -> HarnessConfig:
-    """A harness configuration in a layout the connector accepts (its first preference).
+    """A harness configuration in a layout and block size the connector accepts (its first
+    preferences).
 
     The transfer timeout comes from ``$KVSPEC_TRANSFER_TIMEOUT_S`` when set.
     """
     if "order" not in overrides and caps.accepted_layouts:
         overrides["order"] = caps.accepted_layouts[0]
+    if "block_size" not in overrides and caps.block_sizes:
+        overrides["block_size"] = caps.block_sizes[0]
     if "transfer_timeout_s" not in overrides and os.environ.get(TIMEOUT_ENV):
         overrides["transfer_timeout_s"] = float(os.environ[TIMEOUT_ENV])
     return HarnessConfig(**overrides)

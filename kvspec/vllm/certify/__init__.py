@@ -13,9 +13,10 @@ included. The suite and the CLI accept it by name::
 
 from __future__ import annotations
 
+from ._wire import VllmMetadata
 from .factory import VllmConnectorFactory
 
-__all__ = ["VllmConnectorFactory", "factory_from_spec"]
+__all__ = ["VllmConnectorFactory", "VllmMetadata", "factory_from_spec"]
 
 
 def factory_from_spec(connector: str) -> VllmConnectorFactory:

@@ -10,11 +10,15 @@ hook, the way vLLM's scheduler mutates its own.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from kvspec.protocols import (
@@ -31,21 +35,73 @@ from kvspec.protocols import (
     thaw_params,
 )
 
-__all__ = ["RequestBook", "forward_context", "kv_cache_config", "scheduler_output",
+__all__ = ["ModelShape", "RequestBook", "forward_context", "tiny_model", "kv_cache_config", "scheduler_output",
            "vllm_blocks", "vllm_config", "vllm_output"]
 
 _ROLES = {TransferRole.PRODUCER: "kv_producer", TransferRole.CONSUMER: "kv_consumer",
           TransferRole.BOTH: "kv_both"}
 
 
+@attrs.frozen
+class ModelShape:
+    """The attention shape of the model a connector is told about (its KV heads are the
+    whole model's, over every TP rank)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+
+def tiny_model(shape: ModelShape) -> str:
+    """A directory holding the ``config.json`` of a Llama model with ``shape``'s attention,
+    for ``ModelConfig`` (no weights: connectors read the config only). The path is the same
+    for the same shape in every process, because connectors hash it into their handshake
+    compatibility checks (vLLM's NIXL connector does)."""
+    name = (f"llama-L{shape.num_layers}-H{shape.num_kv_heads}-D{shape.head_size}-"
+            f"{str(shape.dtype).removeprefix('torch.')}")
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvspec" / "models"
+    path = root / name
+    config = path / "config.json"
+    if not config.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".config.{os.getpid()}.json"
+        tmp.write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_kv_heads,
+            "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_size,
+            "hidden_size": shape.num_kv_heads * shape.head_size,
+            "intermediate_size": 2 * shape.num_kv_heads * shape.head_size,
+            "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "torch_dtype": str(shape.dtype).removeprefix("torch."), "tie_word_embeddings": False,
+        }))
+        tmp.replace(config)  # atomic: concurrent worker processes see a whole file
+    return str(path)
+
+
 def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
                 engine_id: str, block_size: int, tp_size: int, extra: Mapping[str, Any],
-                transfer: Mapping[str, Any]) -> Any:
-    """A real ``VllmConfig`` selecting ``connector``, with no model (none is needed)."""
-    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
+                transfer: Mapping[str, Any], model: ModelShape | None = None,
+                cache_layout: str | None = None) -> Any:
+    """A real ``VllmConfig`` selecting ``connector``: with a model of ``model``'s shape when
+    the connector reads one (no weights are loaded), and ``cache_layout`` as the resolved KV
+    cache layout (what vLLM's engine core sets from the connector's required layout)."""
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    return VllmConfig(
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_config = None
+    if model is not None:
+        model_config = ModelConfig(model=tiny_model(model), dtype=model.dtype,
+                                   skip_tokenizer_init=True, max_model_len=4096)
+    config = VllmConfig(
+        model_config=model_config,
         cache_config=CacheConfig(block_size=block_size),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer_config=KVTransferConfig(
@@ -53,15 +109,21 @@ def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
             kv_role=_ROLES[role], engine_id=engine_id,
             kv_connector_extra_config=dict(extra), **dict(transfer)),
     )
+    if cache_layout is not None:
+        config.cache_config.kv_cache_layout = cache_layout
+    return config
 
 
-def kv_cache_config(layout: KVCacheLayout, layer_names: tuple[str, ...]) -> Any:
-    """vLLM's ``KVCacheConfig`` for one group of full-attention layers in ``layout``."""
+def kv_cache_config(block_size: int, num_blocks: int, layer_names: tuple[str, ...],
+                    model: ModelShape) -> Any:
+    """vLLM's ``KVCacheConfig``: one group of full-attention layers of ``model``'s shape
+    (per rank). The scheduler role gets one too, as in vLLM; it reads the groups and their
+    block size, not the tensors."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=layout.block_size, num_kv_heads=layout.num_heads,
-                             head_size=layout.head_size_k, dtype=layout.dtype)
-    return KVCacheConfig(num_blocks=layout.num_blocks, kv_cache_tensors=[],
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads,
+                             head_size=model.head_size, dtype=model.dtype)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(list(layer_names), spec)])
 
 

@@ -40,6 +40,14 @@ class Profile:
             P/D proxy adds them to the prefill request, or None.
         unavailable: Why the connector cannot run on this machine, or None.
         reading: Where the declaration comes from, for the report.
+        model: The connector reads ``VllmConfig.model_config``: the wrapper gives it a
+            weightless model with the harness's layers, KV heads, head size and dtype.
+        cache_layout: The resolved ``cache_config.kv_cache_layout`` (vLLM's engine core sets
+            it from the connector's ``get_required_kvcache_layout``), or None.
+        distributed: The worker role asks vLLM's parallel state for its TP rank: the
+            wrapper initialises a gloo process group of the engine's TP size first.
+        port_env: Environment variable the scheduler role reads its side-channel port
+            from: the wrapper sets a free port on 127.0.0.1 while building it.
     """
 
     capabilities: Capabilities
@@ -48,6 +56,10 @@ class Profile:
     producer_params: Mapping[str, Any] | None = None
     unavailable: str | None = None
     reading: str = "derived from the methods the class overrides"
+    model: bool = False
+    cache_layout: str | None = None
+    distributed: bool = False
+    port_env: str | None = None
 
 
 def _storage(config: EngineConfigView) -> dict[str, Any]:
@@ -66,12 +78,17 @@ _KNOWN: dict[str, Profile] = {
                      needs_token_rows=True),
         extra=_storage, reading="read from example_connector.py (vLLM 0.32)"),
     # Pull-based P/D: the consumer reads the producer's blocks over NIXL, asynchronously;
-    # the producer holds them until read (delayed free). No per-layer work.
+    # the producer holds them until read (delayed free). No per-layer work. Whole pages in
+    # vLLM-CPU's LBHNC layout; block sizes the CPU attention backend takes (multiples of 32).
     **{name: Profile(
         Capabilities(async_loads=True, delayed_free=True, accepts_split_kv=False,
-                     heterogeneous_tp=True, failure_reporting=FailureReporting.INVALID_BLOCKS),
+                     accepted_layouts=("LBHNC",), heterogeneous_tp=True,
+                     failure_reporting=FailureReporting.INVALID_BLOCKS, block_sizes=(32,)),
         transfer={"kv_buffer_device": "cpu"}, producer_params={"do_remote_decode": True},
-        reading="read from nixl/connector.py and nixl/*_scheduler.py (vLLM 0.32)")
+        model=True, cache_layout="LBHNC", distributed=True,
+        port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
+        reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
+                "(vLLM 0.32)")
        for name in ("NixlConnector", "NixlPullConnector")},
 }
 

@@ -20,9 +20,14 @@ What the translation cannot carry, by design:
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Mapping
+import contextlib
+import gc
+import os
+import socket
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from kvspec.protocols import (
@@ -109,14 +114,16 @@ class VllmConnectorFactory:
         """The declaration of ``profile_for`` (see ``kvspec.vllm.certify._profiles``)."""
         return self.profile.capabilities
 
-    def vllm_config(self, config: EngineConfigView, tp_size: int | None = None) -> Any:
-        """The ``VllmConfig`` an engine with this kvspec configuration gives the connector."""
+    def vllm_config(self, config: EngineConfigView, layout: KVCacheLayout | None = None) -> Any:
+        """The ``VllmConfig`` an engine with this kvspec configuration gives the connector
+        (with ``layout``, a worker's: its model has the layout's heads and head size)."""
         extra = {k: v for k, v in config.extra.items() if not k.startswith("kvspec.")}
+        model = _model_shape(config, layout)
         return _objects.vllm_config(
             connector=self._name, module_path=self._module, role=config.role,
-            engine_id=config.engine_id, block_size=config.block_size,
-            tp_size=tp_size or config.tp_size, extra={**self.profile.extra(config), **extra},
-            transfer=self.profile.transfer)
+            engine_id=config.engine_id, block_size=config.block_size, tp_size=config.tp_size,
+            extra={**self.profile.extra(config), **extra}, transfer=self.profile.transfer,
+            model=model if self.profile.model else None, cache_layout=self.profile.cache_layout)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
         """vLLM's scheduler role, wrapped."""
@@ -132,10 +139,114 @@ class VllmConnectorFactory:
         return None
 
 
+_LAYER_NAMES = "model.layers.{}.attn"
+
+
+def _model_shape(config: EngineConfigView, layout: KVCacheLayout | None) -> _objects.ModelShape:
+    """The model shape a role is told: a worker's from its layout (KV heads over every TP
+    rank); the scheduler role, which sees no layout, gets one KV head of 64 per rank."""
+    if layout is None:
+        return _objects.ModelShape(config.num_layers, config.tp_size, 64, torch.float32)
+    return _objects.ModelShape(config.num_layers, layout.num_heads * config.tp_size,
+                               layout.head_size_k, layout.dtype)
+
+
 def _role(name: str) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     return KVConnectorRole[name]
+
+
+@contextlib.contextmanager
+def _guest() -> Iterator[None]:
+    """Undo what building a vLLM connector does to the process it runs in: vLLM writes
+    variables into ``os.environ`` (``LD_PRELOAD`` among them) and its NIXL worker pins the
+    calling thread to one core. The harness's process is not vLLM's to configure."""
+    env = dict(os.environ)
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+
+def _release(holder: Any) -> None:
+    """Shut ``holder._conn`` (a vLLM connector) down and drop it, then collect: what the
+    connector holds until collected (a NIXL agent and its sockets) is freed, as an engine
+    process exiting after shutdown would free it."""
+    conn, holder._conn = holder._conn, None
+    conn.shutdown()
+    del conn
+    gc.collect()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _ProcessGroup:
+    """vLLM's TP group in this process, built by the wrapper for the workers that need one
+    and destroyed when the last of them shuts down (the group holds sockets and pipes)."""
+
+    users = 0
+    owned = False
+    tracker_was_running = True
+
+    @classmethod
+    def join(cls, vllm_config: Any, config: EngineConfigView, rank: int) -> None:
+        """Build the group for this rank (gloo, met through a file in the engine's scratch
+        directory, which every rank of an engine shares), or reuse this process's."""
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            have = ps.get_tensor_model_parallel_world_size()
+            if have != config.tp_size:
+                raise InvalidArgumentError(
+                    f"this process already holds a vLLM TP group of size {have}; the engine "
+                    f"needs {config.tp_size} (one vLLM parallel state per process)")
+        else:
+            from multiprocessing import resource_tracker
+
+            tracker: Any = resource_tracker._resource_tracker
+            cls.tracker_was_running = tracker._fd is not None
+            tmp = config.extra.get("kvspec.tmpdir")
+            if not isinstance(tmp, str):
+                raise InvalidArgumentError("a vLLM connector with a TP group needs "
+                                           "EngineConfigView.extra['kvspec.tmpdir']")
+            name = f"vllm-tp-{config.engine_id}-{os.getppid()}"
+            where = f"file://{tmp}/{name}"
+            os.environ["VLLM_DIST_IDENT"] = name  # what vLLM's CPU worker sets first
+            with set_current_vllm_config(vllm_config):
+                ps.init_distributed_environment(world_size=config.tp_size, rank=rank,
+                                                local_rank=rank, backend="gloo",
+                                                distributed_init_method=where)
+                ps.ensure_model_parallel_initialized(config.tp_size, 1)
+            cls.owned = True
+        cls.users += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        """One user fewer; the last one destroys a group the wrapper built."""
+        cls.users -= 1
+        if cls.users == 0 and cls.owned:
+            from vllm.distributed import parallel_state as ps
+
+            cls.owned = False
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+            if not cls.tracker_was_running:
+                # vLLM's TP broadcaster's shared memory started Python's resource tracker (a
+                # child process) for this group; stop it as the process's exit would
+                from multiprocessing import resource_tracker
+
+                tracker: Any = resource_tracker._resource_tracker
+                tracker._stop()
 
 
 class _VllmScheduler(SchedulerConnector):
@@ -144,8 +255,17 @@ class _VllmScheduler(SchedulerConnector):
 
         self._factory = factory
         self._vllm_config = factory.vllm_config(config)
-        with set_current_vllm_config(self._vllm_config):
-            self._conn = factory.connector_class(self._vllm_config, _role("SCHEDULER"), None)
+        with _guest(), set_current_vllm_config(self._vllm_config):
+            if factory.profile.port_env:
+                os.environ[factory.profile.port_env] = str(_free_port())
+                os.environ[factory.profile.port_env.replace("_PORT", "_HOST")] = "127.0.0.1"
+            shape = _model_shape(config, None)
+            kv_config = _objects.kv_cache_config(
+                config.block_size, config.num_blocks,
+                tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers)),
+                attrs.evolve(shape, num_kv_heads=1))
+            self._conn: Any = factory.connector_class(self._vllm_config, _role("SCHEDULER"),
+                                                      kv_config)
         producer = config.role is TransferRole.PRODUCER
         self._book = _objects.RequestBook(
             config.block_size, factory.profile.producer_params if producer else None)
@@ -196,14 +316,19 @@ class _VllmScheduler(SchedulerConnector):
         return None if count is None else int(count)
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, HandshakeMetadata]) -> None:
-        if metadata:
-            self._conn.set_xfer_handshake_metadata(
-                {rank: _unwrap_handshake(hs) for rank, hs in metadata.items()})
+        plain = {rank: _unwrap_handshake(hs) for rank, hs in metadata.items()}
+        if not any(v is not None for v in plain.values()):
+            return
+        if hasattr(self._conn, "set_xfer_handshake_metadata_pp_aware"):  # vLLM >= 0.32
+            self._conn.set_xfer_handshake_metadata_pp_aware(
+                {(0, rank): v for rank, v in plain.items()})
+        else:
+            self._conn.set_xfer_handshake_metadata(plain)
 
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            self._conn.shutdown()
+            _release(self)
 
 
 def _wrap_handshake(value: Any, engine_id: str, rank: int, layout: KVCacheLayout) -> HandshakeMetadata:
@@ -243,24 +368,32 @@ class _VllmWorker(WorkerConnector):
         self._layout: KVCacheLayout | None = None
         self._preempted: frozenset[str] = frozenset()
         self._failed: frozenset[str] = frozenset()
+        self._in_group = False
         self._closed = False
 
     def _vllm(self, hook: str) -> Any:
         if self._conn is None:
-            raise InvalidArgumentError(f"{hook} before register_kv_caches: the vLLM worker "
-                                       "role is built when the KV caches are registered",
-                                       clause="WRK-001")
+            when = "after shutdown" if self._closed else "before register_kv_caches"
+            raise InvalidArgumentError(f"{hook} {when}: the vLLM worker role lives from "
+                                       "register_kv_caches to shutdown", clause="WRK-001")
         return self._conn
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout) -> None:
         from vllm.config import set_current_vllm_config
 
-        vllm_config = self._factory.vllm_config(self._config)
-        kv_config = _objects.kv_cache_config(layout, tuple(kv_caches))
-        with set_current_vllm_config(vllm_config):
-            self._conn = self._factory.connector_class(vllm_config, _role("WORKER"), kv_config)
-            self._kv, self._layout = dict(kv_caches), layout
-            self._conn.register_kv_caches(dict(kv_caches))
+        vllm_config = self._factory.vllm_config(self._config, layout)
+        kv_config = _objects.kv_cache_config(
+            layout.block_size, layout.num_blocks, tuple(kv_caches),
+            attrs.evolve(_model_shape(self._config, layout), num_kv_heads=layout.num_heads))
+        with _guest():
+            if self._factory.profile.distributed:
+                _ProcessGroup.join(vllm_config, self._config, self._rank)
+                self._in_group = True
+            with set_current_vllm_config(vllm_config):
+                self._conn = self._factory.connector_class(vllm_config, _role("WORKER"),
+                                                           kv_config)
+                self._kv, self._layout = dict(kv_caches), layout
+                self._conn.register_kv_caches(dict(kv_caches))
 
     def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
         self._preempted = self._preempted | preempted_req_ids
@@ -326,4 +459,8 @@ class _VllmWorker(WorkerConnector):
         if not self._closed:
             self._closed = True
             if self._conn is not None:
-                self._conn.shutdown()
+                _release(self)
+            if self._in_group:
+                self._in_group = False
+                _ProcessGroup.leave()
+            gc.collect()

@@ -175,7 +175,7 @@ def render(runs: Sequence[ConnectorRun], *, vllm_version: str, kvspec_version: s
         "metadata crosses as MessagePack instead of pickle, and the harness checks every "
         "loaded byte. Any vLLM connector runs the same way: "
         "`kvspec conform vllm:package.module:ClassName`. See "
-        "[Certifying a vLLM connector](vllm.md#certifying-a-vllm-connector).",
+        "[Certify a vLLM connector](how-to/certify-vllm-connector.md).",
         "",
         "| connector | tests | passed | failed | skipped | time | findings |",
         "|---|---:|---:|---:|---:|---:|---|",
