@@ -657,6 +657,10 @@ class Recorder:
                 f"{'total':<9} {'tests':<7}" + "".join(f"{totals[o]:>6}" for o in OUTCOMES)
                 + f"  {len(done)} tests, {len(table)} clauses"
             )
+            for label in used:  # the time each connector took, its tests' set-up to tear-down
+                mine = [t for t in done if t.connector == label]
+                tr.write_line(f"time     {label}: {len(mine)} tests in "
+                              f"{sum(t.duration for t in mine):.1f} s")
         for note in self.notes:
             tr.write_line(note)
 

@@ -49,13 +49,13 @@ SCENARIOS: Mapping[str, Workload] = MappingProxyType({
         RequestSpec("again", _P[:16] + (30, 31, 32, 33, 35), max_new_tokens=2,
                     arrival_step=16, local_cache_blocks=2),
     ),
-    # The same tokens under other tenants and adapters never share KV (SCH-020). Two prompt
-    # lengths, 17 and 14 tokens (4*4+1 and 3*4+2), because a connector may hit only some
-    # lengths: vLLM's ExampleConnector never hits a k*bs+1 prompt it stored, and without the
-    # second length it escaped this scenario while sharing KV across salts.
+    # The same tokens under other tenants and adapters never share KV (SCH-020). Two prompts
+    # of 17 and 14 tokens (4*4+1 and 3*4+2), without a common prefix, because a connector may
+    # hit only some lengths: vLLM's ExampleConnector never hits a k*bs+1 prompt it stored,
+    # and with the first prompt alone it escaped this scenario while sharing KV across salts.
     "tenants": _w(
         "tenants",
-        *(r for i, p in enumerate((_P, _P[:14])) for r in (
+        *(r for i, p in enumerate((_P, tuple(range(101, 115)))) for r in (
             RequestSpec(f"plain-{len(p)}", p, max_new_tokens=2, arrival_step=40 * i),
             RequestSpec(f"salted-a-{len(p)}", p, max_new_tokens=2, cache_salt="tenant-a",
                         arrival_step=40 * i + 8),

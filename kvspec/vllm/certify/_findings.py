@@ -17,7 +17,7 @@ import re
 
 import attrs
 
-__all__ = ["FINDINGS", "Finding", "KINDS"]
+__all__ = ["CHANGES", "FINDINGS", "Finding", "KINDS"]
 
 KINDS = ("connector bug", "connector quirk", "kvspec stricter", "kvspec mistake")
 
@@ -29,7 +29,8 @@ class Finding:
     Attributes:
         id: Short stable id, e.g. ``EX-1``.
         connector: The vLLM connector name.
-        clause: The clause its failures break.
+        clause: The clause its failures break, or None for failures that name no clause
+            (an assertion inside the connector while the harness sets an engine up).
         match: Regular expression searched in the failure message.
         kind: One of ``KINDS``.
         title: One line.
@@ -38,7 +39,7 @@ class Finding:
 
     id: str
     connector: str
-    clause: str
+    clause: str | None
     match: str = attrs.field(validator=lambda _i, _a, v: re.compile(v) and None)
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
     title: str
@@ -46,8 +47,9 @@ class Finding:
 
     def explains(self, connector: str, message: str) -> bool:
         """Whether this finding explains a failure of ``connector`` with ``message``."""
-        return (connector == self.connector and f"clause {self.clause} " in message
-                and re.search(self.match, message) is not None)
+        names = (f"clause {self.clause} " in message if self.clause is not None
+                 else not message.startswith("clause "))
+        return connector == self.connector and names and re.search(self.match, message) is not None
 
 
 FINDINGS: tuple[Finding, ...] = (
@@ -100,4 +102,43 @@ FINDINGS: tuple[Finding, ...] = (
         "folder exists), `get_num_new_matched_tokens` returns `-bs`, which vLLM's scheduler "
         "adds to the request's computed tokens.",
     ),
+    Finding(
+        "NX-1", "NixlConnector", "ERR-002", r"with the connector's own params with",
+        "connector bug",
+        "A client's malformed kv_transfer_params crash the scheduler",
+        "`get_num_new_matched_tokens` uses the request's `kv_transfer_params` without checking "
+        "them: a `remote_engine_id` that is a list (or another field of the wrong type) "
+        "raises `TypeError` inside vLLM's scheduler loop. These params come from the API "
+        "client through the P/D proxy, so one bad request ends the engine core for everyone; "
+        "the spec wants a typed error for that request only.",
+    ),
+    Finding(
+        "NX-2", "NixlConnector", None, r"cannot be partitioned into NIXL regions",
+        "kvspec stricter",
+        "It refuses KV tensors that hold more blocks than the budget",
+        "`register_kv_caches` asserts that each layer's tensor holds exactly "
+        "`KVCacheConfig.num_blocks` blocks. vLLM allocates its caches that way, so vLLM never "
+        "trips it; kvcached over-allocates the block dimension and kvspec requires "
+        "connectors to size transfers by the budget and accept a larger capacity (LAY-003, "
+        "kvcached PR 313). A NIXL connector run on kvcached's tensors needs that assertion "
+        "relaxed to `>=`.",
+    ),
 )
+
+CHANGES: tuple[tuple[str, str], ...] = (
+    ("SCH-005",
+     "Was: a match must leave one prompt token to compute. vLLM's NixlConnector matches "
+     "whole prompts, asynchronously, and vLLM's scheduler backs such a load off by one token "
+     "once it finishes (it asserts on a synchronous full hit). Now: a synchronous match must "
+     "leave one token; an asynchronous one may cover the prompt, and the engine (the "
+     "harness too) computes the last token again."),
+    ("SCH-020 (the tenants scenario)",
+     "ExampleConnector shares stored KV across cache salts, but the scenario's only prompt "
+     "had `4*bs+1` tokens, a length ExampleConnector never hits. The scenario now also runs "
+     "a `3*bs+2`-token prompt, and catches it."),
+    ("Capabilities.block_sizes",
+     "New: vLLM-CPU's attention backend pages multiples of 32 tokens and its NIXL connector "
+     "refuses other block sizes. A connector declares the block sizes it takes; the suite "
+     "runs at the first."),
+)
+"""What kvspec changed because of what certifying vLLM's connectors showed."""

@@ -96,12 +96,13 @@ def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model_config = None
+    with_model: dict[str, Any] = {}
     if model is not None:
-        model_config = ModelConfig(model=tiny_model(model), dtype=model.dtype,
-                                   skip_tokenizer_init=True, max_model_len=4096)
+        with_model["model_config"] = ModelConfig(
+            model=tiny_model(model), dtype=model.dtype, skip_tokenizer_init=True,
+            max_model_len=4096)
     config = VllmConfig(
-        model_config=model_config,
+        **with_model,
         cache_config=CacheConfig(block_size=block_size),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer_config=KVTransferConfig(

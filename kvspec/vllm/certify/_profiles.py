@@ -8,6 +8,7 @@ state its own with a ``kvspec_capabilities`` attribute (a ``Capabilities``).
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -94,6 +95,15 @@ _KNOWN: dict[str, Profile] = {
 
 _NEEDS_CUDA = ("OffloadingConnector", "SimpleCPUOffloadConnector")
 
+_NEEDS_MODULE = {
+    "LMCacheConnectorV1": ("lmcache", "it needs the lmcache package, which is not installed; "
+                           "lmcache 0.5.6 on PyPI requires cupy-cuda13x, cuda-python and "
+                           "cufile-python and ships a CUDA extension, so a CPU-only machine "
+                           "cannot install it without CUDA packages"),
+    "LMCacheMPConnector": ("lmcache", "it needs the lmcache package, which is not installed"),
+    "MoRIIOConnector": ("msgpack", "it needs the msgpack package, which is not installed"),
+}
+
 
 def _overrides(cls: type, name: str) -> bool:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -121,4 +131,6 @@ def profile_for(name: str, cls: type) -> Profile:
     unavailable = None
     if name in _NEEDS_CUDA:
         unavailable = f"vLLM's {name} allocates CUDA (or XPU) host buffers and streams"
+    elif name in _NEEDS_MODULE and importlib.util.find_spec(_NEEDS_MODULE[name][0]) is None:
+        unavailable = _NEEDS_MODULE[name][1]
     return Profile(caps, unavailable=unavailable)

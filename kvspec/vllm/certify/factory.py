@@ -24,6 +24,7 @@ import contextlib
 import gc
 import os
 import socket
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -48,6 +49,7 @@ from kvspec.protocols import (
     SchedulerOutputView,
     TransferRole,
     WorkerConnector,
+    thaw_params,
 )
 
 from . import _objects
@@ -117,7 +119,7 @@ class VllmConnectorFactory:
     def vllm_config(self, config: EngineConfigView, layout: KVCacheLayout | None = None) -> Any:
         """The ``VllmConfig`` an engine with this kvspec configuration gives the connector
         (with ``layout``, a worker's: its model has the layout's heads and head size)."""
-        extra = {k: v for k, v in config.extra.items() if not k.startswith("kvspec.")}
+        extra = {k: thaw_params(v) for k, v in config.extra.items() if not k.startswith("kvspec.")}
         model = _model_shape(config, layout)
         return _objects.vllm_config(
             connector=self._name, module_path=self._module, role=config.role,
@@ -195,6 +197,7 @@ class _ProcessGroup:
 
     users = 0
     owned = False
+    store_file = ""
     tracker_was_running = True
 
     @classmethod
@@ -219,8 +222,13 @@ class _ProcessGroup:
             if not isinstance(tmp, str):
                 raise InvalidArgumentError("a vLLM connector with a TP group needs "
                                            "EngineConfigView.extra['kvspec.tmpdir']")
-            name = f"vllm-tp-{config.engine_id}-{os.getppid()}"
+            # The ranks of a TP engine are fresh processes of one harness process; a lone
+            # rank needs no peer, and a new name each time (a store file is not reusable).
+            name = (f"vllm-tp-{config.engine_id}-{os.getppid()}" if config.tp_size > 1
+                    else f"vllm-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            os.makedirs(tmp, exist_ok=True)  # torch's FileStore waits for a missing dir
             where = f"file://{tmp}/{name}"
+            cls.store_file = os.path.join(tmp, name)
             os.environ["VLLM_DIST_IDENT"] = name  # what vLLM's CPU worker sets first
             with set_current_vllm_config(vllm_config):
                 ps.init_distributed_environment(world_size=config.tp_size, rank=rank,
@@ -240,6 +248,8 @@ class _ProcessGroup:
             cls.owned = False
             ps.destroy_model_parallel()
             ps.destroy_distributed_environment()
+            with contextlib.suppress(OSError):  # another rank may have removed it
+                os.unlink(cls.store_file)
             if not cls.tracker_was_running:
                 # vLLM's TP broadcaster's shared memory started Python's resource tracker (a
                 # child process) for this group; stop it as the process's exit would

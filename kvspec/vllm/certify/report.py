@@ -24,7 +24,7 @@ import attrs
 
 from kvspec.protocols import InvalidArgumentError
 
-from ._findings import FINDINGS, Finding
+from ._findings import CHANGES, FINDINGS, Finding
 
 __all__ = ["CONNECTORS", "ConnectorRun", "render", "run_connector"]
 
@@ -189,6 +189,10 @@ def render(runs: Sequence[ConnectorRun], *, vllm_version: str, kvspec_version: s
                       for f in [_explain(run.name, t["message"] or "", findings)] if f})
         lines.append(f"| {run.name} | {len(run.report['tests'])} | {c['pass']} | {c['fail']} "
                      f"| {c['skip']} | {run.seconds:.0f} s | {', '.join(ids) or '-'} |")
+    lines += ["", "## What kvspec changed", "",
+              "Not every failure is the connector's: where vLLM's behaviour showed kvspec "
+              "wrong or blind, kvspec changed, with the reason in the spec.", ""]
+    lines += [f"- **{what}**: {why}" for what, why in CHANGES]
     lines.append("")
     for run in runs:
         lines += _section(run, findings, reading)
