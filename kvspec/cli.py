@@ -510,6 +510,8 @@ def _parser() -> argparse.ArgumentParser:
                          "OffloadingConnector LMCacheConnectorV1)")
     vc.add_argument("--out", default="docs/vllm-connectors.md", metavar="PATH",
                     help="the page to write (default docs/vllm-connectors.md)")
+    vc.add_argument("--keep-reports", metavar="DIR",
+                    help="also keep each connector's JSON conform report as DIR/NAME.json")
     vc.set_defaults(func=_vllm_connectors)
     return p
 
@@ -525,6 +527,8 @@ def _vllm_connectors(args: argparse.Namespace) -> int:
     if _unwritable("--out", args.out):
         return 2
     cmd = [python, "-m", "kvspec.vllm.certify.report", "--out", args.out, *args.names]
+    if args.keep_reports:
+        cmd += ["--keep-reports", args.keep_reports]
     try:
         return subprocess.run(cmd, timeout=4 * 3600, check=False).returncode
     except subprocess.TimeoutExpired:

@@ -52,8 +52,9 @@ def test_the_suite_finds_exampleconnectors_bugs(example_run: dict[str, Any]) -> 
 def test_what_exampleconnector_does_right_passes(example_run: dict[str, Any]) -> None:
     passed = {t["key"] for t in example_run["tests"] if t["outcome"] == "pass"}
     for name in ("single", "shared-prefix", "full-prompt-hit", "aborts"):
-        assert f"test_engine.py::TestEngine::test_scenario[vllm:ExampleConnector-{name}]" \
-            in passed, sorted(passed)
+        for cache in ("local-cache", "no-local-cache"):
+            assert ("test_engine.py::TestEngine::test_scenario"
+                    f"[vllm:ExampleConnector-{name}-{cache}]") in passed, sorted(passed)
     # kv_transfer_params vLLM's API refuses fail typed in the wrapper (ERR-002), not as a crash
     assert any("test_client_transfer_params" in k for k in passed)
 
@@ -98,8 +99,15 @@ def test_an_unexplained_failure_is_flagged() -> None:
 def test_a_connector_that_needs_cuda_is_skipped_whole(tmp_path: Path) -> None:
     proc = _kvspec("conform", "vllm:OffloadingConnector", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tests = json.loads(proc.stdout)["tests"]
-    assert tests and all(t["outcome"] == "skip" and "CUDA" in t["message"] for t in tests)
+    report = json.loads(proc.stdout)
+    tests = report["tests"]
+    assert tests and all(t["outcome"] == "skip" for t in tests)
+    cuda = [t for t in tests if "cannot run here" in t["message"] and "CUDA" in t["message"]]
+    assert len(cuda) > len(tests) // 2  # the rest skip first, on undeclared capabilities
+    page = render([ConnectorRun("OffloadingConnector", report, 3.0)], vllm_version="v",
+                  kvspec_version="k")
+    assert f"All {len(tests)} tests skipped (3 s):" in page and "| clause |" not in page
+    assert f"- {len(cuda)} x vLLM OffloadingConnector cannot run here" in page
 
 
 def test_an_unknown_connector_fails_typed(tmp_path: Path) -> None:

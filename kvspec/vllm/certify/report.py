@@ -52,8 +52,9 @@ class ConnectorRun:
 
 
 def run_connector(name: str, *, python: str = sys.executable,
-                  pytest_args: Sequence[str] = ()) -> ConnectorRun:
-    """Run ``kvspec conform vllm:NAME`` in a fresh process and read its JSON report."""
+                  pytest_args: Sequence[str] = (), keep: Path | None = None) -> ConnectorRun:
+    """Run ``kvspec conform vllm:NAME`` in a fresh process and read its JSON report (a copy
+    goes to ``keep/NAME.json`` when ``keep`` is a directory)."""
     with tempfile.TemporaryDirectory(prefix="kvspec-vllm-cert-") as tmp:
         out = Path(tmp) / "report.json"
         cmd = [python, "-m", "kvspec", "conform", f"vllm:{name}", "--report", str(out)]
@@ -71,6 +72,9 @@ def run_connector(name: str, *, python: str = sys.executable,
             why = next((ln for ln in reversed(lines) if "kvspec" in ln or "Error" in ln),
                        lines[-1] if lines else f"exit code {proc.returncode}")
             return ConnectorRun(name, None, seconds, why.strip())
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{name}.json").write_text(out.read_text())
         return ConnectorRun(name, json.loads(out.read_text()), seconds)
 
 
@@ -117,6 +121,9 @@ def _section(run: ConnectorRun, findings: Sequence[Finding],
     report = run.report
     conn = report["connectors"][0]
     c = _counts(report)
+    if c["skip"] == len(report["tests"]):  # nothing ran: the reasons say it all
+        out += [f"All {c['skip']} tests skipped ({run.seconds:.0f} s):", ""]
+        return out + _skips(report)
     out += [f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped of "
             f"{len(report['tests'])} tests in {run.seconds:.0f} s. The wrapper's declaration "
             f"({reading(run.name)}):", ""]
@@ -142,15 +149,18 @@ def _section(run: ConnectorRun, findings: Sequence[Finding],
         for t in lost:
             out += [f"#### UNEXPLAINED: `{_short_key(t['key'], run.name)}`", "",
                     "```text", (t["message"] or "")[:1500], "```", ""]
+    if c["skip"]:
+        out += ["### Skipped", "", *_skips(report)]
+    return out
+
+
+def _skips(report: Mapping[str, Any]) -> list[str]:
+    """One line per skip reason, with its count."""
     skips: dict[str, int] = {}
     for t in report["tests"]:
         if t["outcome"] == "skip":
             skips[t["message"] or "skipped"] = skips.get(t["message"] or "skipped", 0) + 1
-    if skips:
-        out += ["### Skipped", ""]
-        out += [f"- {n} x {why}" for why, n in sorted(skips.items())]
-        out.append("")
-    return out
+    return [f"- {n} x {why}" for why, n in sorted(skips.items())] + [""]
 
 
 def render(runs: Sequence[ConnectorRun], *, vllm_version: str, kvspec_version: str,
@@ -212,11 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvspec vllm-connectors")
     p.add_argument("names", nargs="*", metavar="NAME", help=f"default: {' '.join(CONNECTORS)}")
     p.add_argument("--out", default="docs/vllm-connectors.md", help="the page to write")
+    p.add_argument("--keep-reports", metavar="DIR", type=Path,
+                   help="also keep each connector's JSON report as DIR/NAME.json")
     args = p.parse_args(argv)
     runs = []
     for name in args.names or CONNECTORS:
         print(f"kvspec vllm-connectors: certifying {name} ...", file=sys.stderr, flush=True)
-        run = run_connector(name)
+        run = run_connector(name, keep=args.keep_reports)
         runs.append(run)
         print(f"kvspec vllm-connectors: {name}: "
               f"{'done' if run.report else 'not run: ' + run.note} ({run.seconds:.0f} s)",
