@@ -27,6 +27,7 @@ from kvspec.conformance.connectors import (
     FullPromptHitConnector,
     HANDOFF_PARAM,
     ImpureMatchConnector,
+    LayerwiseStorageConnector,
     LoadJob,
     NoSaltConnector,
     NoSendReportConnector,
@@ -799,9 +800,12 @@ def test_broken_catalogue() -> None:
     names = set()
     for cls, clause in BROKEN_CONNECTORS:
         factory = cls()
-        assert isinstance(factory, SharedStorageConnector)
+        # every variant breaks one clause of a reference connector and declares what it does
+        base = (LayerwiseStorageConnector if cls is FullPromptHitConnector
+                else SharedStorageConnector)
+        assert isinstance(factory, base)
         assert cls.violates == clause and clause in (cls.__doc__ or "")
-        assert factory.capabilities == SharedStorageConnector().capabilities
+        assert factory.capabilities == base().capabilities
         names.add(factory.name)
     assert len(names) == len(BROKEN_CONNECTORS)
 
@@ -810,8 +814,9 @@ def test_full_prompt_hit(tmp_path: Path) -> None:
     req = make_request("r", range(12))
     mark_stored(tmp_path, req, 3)
     assert new_scheduler(tmp_path).get_num_new_matched_tokens(req, 0) == (8, True)
+    # the variant is synchronous (an async full hit is legal, SCH-005): the whole prompt
     broken = new_scheduler(tmp_path, FullPromptHitConnector())
-    assert broken.get_num_new_matched_tokens(req, 0) == (12, True)
+    assert broken.get_num_new_matched_tokens(req, 0) == (12, False)
 
 
 def test_async_zero(tmp_path: Path) -> None:

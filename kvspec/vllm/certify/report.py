@@ -215,8 +215,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import vllm
 
-    import kvspec
-
     from .factory import VllmConnectorFactory
 
     p = argparse.ArgumentParser(prog="kvspec vllm-connectors")
@@ -240,8 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except InvalidArgumentError:
             return "not loadable"
 
-    page = render(runs, vllm_version=vllm.__version__, kvspec_version=kvspec.__version__,
-                  reading=reading)
+    version = next((r.report["kvspec_version"] for r in runs if r.report), "unknown")
+    page = render(runs, vllm_version=vllm.__version__, kvspec_version=version, reading=reading)
     Path(args.out).write_text(page)
     print(f"kvspec vllm-connectors: wrote {args.out}", file=sys.stderr)
     lost = unexplained(runs)
