@@ -224,3 +224,10 @@ def test_handshake_payload_round_trips() -> None:
                    payload={"cls": hs.payload["cls"], "data": base64.b64encode(b"\xc1").decode()})
     with pytest.raises(MalformedMetadataError):
         _unwrap_handshake(bad)
+
+
+def test_metadata_holding_an_object_fails_typed_at_encode() -> None:
+    from kvspec.vllm.certify._wire import encode_value
+
+    with pytest.raises(InvalidArgumentError, match="cannot be encoded without pickle"):
+        encode_value({"callback": object()})

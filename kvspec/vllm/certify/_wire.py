@@ -3,16 +3,16 @@
 vLLM hands a connector's ``KVConnectorMetadata`` from the scheduler to the workers by
 pickling it. kvspec's harness requires metadata that encodes to bytes and decodes with
 validation (ERR-005, ERR-006), so the wrapper carries vLLM's object in ``VllmMetadata``:
-the bytes are the metadata class's ``module:qualname`` and its fields in MessagePack,
-decoded back into that class by msgspec against the class's own type annotations (strict:
+the bytes are the metadata class's ``module:qualname`` and its fields in MessagePack
+(msgspec), decoded back into that class against the class's own type annotations (strict:
 a wrong type is an error, not a coercion). Tensors travel as dtype, shape and raw bytes.
 The bytes are decoded untyped first (MessagePack runs no code), then built into the
-annotated types field by field, so unions msgspec itself refuses (vLLM's
-``tuple[list[int], ...] | list[list[int]]``) work too.
+annotated types field by field (``_build``), so unions msgspec's typed decoder refuses
+(vLLM's ``tuple[list[int], ...] | list[list[int]]``) work too.
 
 Decoding imports nothing: the class must already be loaded in the decoding process (the
-connector's module loaded it) and must be a ``KVConnectorMetadata`` subclass that msgspec
-decodes (a dataclass of plain values, tensors and nested dataclasses) or a plain class whose
+connector's module loaded it) and must be a ``KVConnectorMetadata`` subclass that is a
+dataclass of plain values, tensors and nested dataclasses, or a plain class whose
 no-argument ``__init__`` declares every attribute with an annotation
 (``self.reqs: dict[str, ReqMeta] = {}``, as vLLM's ``NixlConnectorMetadata`` does): its
 attributes are then encoded by name and decoded against those annotations.
@@ -62,7 +62,7 @@ def _enc_hook(obj: Any) -> Any:
                                        f"supported dtypes: {sorted(_DTYPES)}")
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return [name, list(t.shape), raw]
-    raise NotImplementedError(f"cannot encode a {type(obj).__qualname__}")
+    raise TypeError(f"a {type(obj).__qualname__} is neither plain data nor a tensor")
 
 
 def _tensor(obj: Any) -> torch.Tensor:
@@ -170,7 +170,7 @@ def encode_value(value: object) -> bytes:
     """Encode ``value`` (dataclasses, sets, dicts, tensors ...) as MessagePack."""
     try:
         return _ENCODER.encode(value)
-    except (TypeError, NotImplementedError, InvalidArgumentError) as e:
+    except (TypeError, InvalidArgumentError) as e:
         raise InvalidArgumentError(
             f"{type(value).__qualname__} cannot be encoded without pickle: {e}; the wrapper "
             "carries dataclasses of plain values, tensors and nested dataclasses",
@@ -235,13 +235,9 @@ def _init_annotations(cls: type) -> dict[str, Any] | None:
     return out if set(out) == set(vars(cls())) else None
 
 
-def _is_structured(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls)
-
-
 def _metadata_payload(value: object) -> bytes:
     cls = type(value)
-    if _is_structured(cls):
+    if dataclasses.is_dataclass(cls):
         return encode_value(value)
     fields = _init_annotations(cls)  # type: ignore[arg-type]  # classes are hashable
     if fields is None:
@@ -253,7 +249,7 @@ def _metadata_payload(value: object) -> bytes:
 
 
 def _metadata_value(cls: type, body: bytes) -> object:
-    if _is_structured(cls):
+    if dataclasses.is_dataclass(cls):
         return decode_value(body, cls)
     fields = _init_annotations(cls)
     if fields is None:
