@@ -20,6 +20,7 @@ the comparison is of the common path.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -77,14 +78,16 @@ def make_trace(ranks: int, requests: int, *, seed: int = 0) -> Trace:
 
 
 def kvspec_arm(trace: Trace) -> Callable[[], tuple[float, list[set[str]]]]:
-    """A run of kvspec's aggregator over ``trace``: returns (seconds, completions)."""
-    outputs = [[KVConnectorOutput(finished_sending=s, finished_recving=r) for s, r in step]
-               for step in trace.reports]
+    """A run of kvspec's aggregator over ``trace``: returns (seconds, completions). Each
+    run builds its outputs before the clock starts, as vLLM's arm must (its aggregate
+    rewrites rank 0's output), so both arms read inputs equally fresh in memory."""
     # What the engine registers in each step, as it has it: the ids of each direction.
     sends = [[rid for rid, is_send in step if is_send] for step in trace.expects]
     recvs = [[rid for rid, is_send in step if not is_send] for step in trace.expects]
 
     def run() -> tuple[float, list[set[str]]]:
+        outputs = [[KVConnectorOutput(finished_sending=s, finished_recving=r)
+                    for s, r in step] for step in trace.reports]
         agg = StandardAggregator(trace.ranks)
         expect_many, aggregate = agg.expect_many, agg.aggregate
         send, recv = Direction.SEND, Direction.RECV
@@ -141,7 +144,7 @@ def vllm_arm_factory() -> Callable[[Trace], Callable[[], tuple[float, list[set[s
 
 
 def run_aggregate_bench(
-    points: Sequence[AggregatePoint], *, repeats: int = 7, seed: int = 0,
+    points: Sequence[AggregatePoint], *, repeats: int = 15, seed: int = 0,
     progress: Callable[[int, int, AggregatePoint], None] | None = None,
 ) -> list[AggregateResult]:
     """Measure every point, arms interleaved; raises AssertionError if the arms disagree
@@ -160,6 +163,7 @@ def run_aggregate_bench(
         for r in range(repeats + 1):  # the first round warms up, and is checked
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for name in order:
+                gc.collect()  # each run starts from the same collector state
                 seconds, completed = arms[name]()
                 if r == 0:
                     first[name] = completed

@@ -31,9 +31,12 @@ This module imports nothing of kvspec but its sibling protocol modules.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter
 from types import MappingProxyType
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
 from kvspec.protocols.errors import (
     DoubleReportError,
@@ -42,6 +45,7 @@ from kvspec.protocols.errors import (
     UnknownRequestError,
 )
 from kvspec.protocols.events import (
+    EMPTY_OUTPUT,
     Direction,
     KVCacheEvent,
     KVConnectorOutput,
@@ -99,7 +103,7 @@ class StandardAggregator:
             is not between 1 and ``world_size``.
     """
 
-    __slots__ = ("_world_size", "_default_count", "_count", "_custom", "_fresh", "_by_rank",
+    __slots__ = ("_world_size", "_default_count", "_full", "_bits", "_left", "_counts",
                  "_failed")
 
     def __init__(self, world_size: int, *, expected_count: int | None = None) -> None:
@@ -114,15 +118,14 @@ class StandardAggregator:
             else _check_count(expected_count, "expected_count", world_size)
         )
         # Per direction (0: SEND, 1: RECV), keyed by request id (a str hashes in C, an
-        # Enum in Python): the number of reports that completes each awaited request; the
-        # awaited requests whose count is not the world size; those no rank reported yet
-        # (their count can still be overridden, EXE-008); per rank, the awaited requests
-        # it reported. And the receives that failed on some rank so far.
-        self._count: tuple[dict[str, int], dict[str, int]] = ({}, {})
-        self._custom: tuple[set[str], set[str]] = (set(), set())
-        self._fresh: tuple[set[str], set[str]] = (set(), set())
-        self._by_rank: tuple[list[set[str]], list[set[str]]] = (
-            [set() for _ in range(world_size)], [set() for _ in range(world_size)])
+        # Enum in Python): for each awaited request, a bit mask of the ranks that have not
+        # reported it yet (bit r: rank r), so that a report is one dict lookup and one XOR;
+        # and the number of reports that completes those whose count is not the world
+        # size. And the receives that failed on some rank so far.
+        self._full = (1 << world_size) - 1
+        self._bits = tuple(1 << rank for rank in range(world_size))
+        self._left: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._counts: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self._failed: set[str] = set()
 
     @property
@@ -154,26 +157,20 @@ class StandardAggregator:
             InvalidArgumentError: An argument is malformed, or the request/direction is
                 already awaited (EXE-011).
         """
-        if type(request_id) is not str or not request_id:
-            if not isinstance(request_id, str) or not request_id:
-                raise InvalidArgumentError(
-                    f"request_id is {request_id!r}; expected a non-empty string",
-                    clause="EXE-011",
-                )
-        d = _index(direction)
-        counts = self._count[d]
-        if request_id in counts:
+        if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(
-                f"request {request_id!r} is already awaited for {direction.value}; "
-                "expected each request/direction to be registered once until it completes",
+                f"request_id is {request_id!r}; expected a non-empty string",
                 clause="EXE-011",
             )
+        d = _index(direction)
+        left = self._left[d]
+        if request_id in left:
+            _raise_again(request_id, direction)
         n = self._default_count if count is None else _check_count(
             count, "count", self._world_size)
-        counts[request_id] = n
+        left[request_id] = self._full
         if n != self._world_size:
-            self._custom[d].add(request_id)
-        self._fresh[d].add(request_id)
+            self._counts[d][request_id] = n
 
     def expect_many(self, request_ids: Iterable[str], direction: Direction) -> None:
         """``expect`` for several requests of one direction at once, with the default count:
@@ -183,25 +180,34 @@ class StandardAggregator:
         Raises:
             InvalidArgumentError: as ``expect``, for the first bad id; nothing changed then.
         """
-        ids = request_ids if type(request_ids) is frozenset else frozenset(request_ids)
-        d = _index(direction)
-        if not all(type(r) is str and r for r in ids):
-            bad = next(r for r in ids if type(r) is not str or not r)
-            raise InvalidArgumentError(
-                f"request_id is {bad!r}; expected a non-empty string", clause="EXE-011"
-            )
-        counts = self._count[d]
-        again = counts.keys() & ids
-        if again:
-            raise InvalidArgumentError(
-                f"request {min(again)!r} is already awaited for {direction.value}; "
-                "expected each request/direction to be registered once until it completes",
-                clause="EXE-011",
-            )
-        counts.update(dict.fromkeys(ids, self._default_count))
+        ids = (cast("Sequence[str]", request_ids) if type(request_ids) in _INDEXED
+               else tuple(request_ids))
+        d = 0 if direction is _SEND else 1 if direction is _RECV else _index(direction)
+        if not _STR.issuperset(map(type, ids)) or "" in ids:  # the fast check, then why
+            for bad in ids:
+                if not isinstance(bad, str) or not bad:
+                    raise InvalidArgumentError(
+                        f"request_id is {bad!r}; expected a non-empty string",
+                        clause="EXE-011",
+                    )
+        left, full = self._left[d], self._full
+        for i, request_id in enumerate(ids):  # faster than a set operation for a few ids
+            if request_id in left:
+                self._registered(ids, i, left, direction)
+            left[request_id] = full
         if self._default_count != self._world_size:
-            self._custom[d].update(ids)
-        self._fresh[d].update(ids)
+            self._counts[d].update(dict.fromkeys(ids, self._default_count))
+
+    @staticmethod
+    def _registered(ids: Sequence[str], i: int, left: dict[str, int],
+                    direction: Direction) -> None:
+        """``expect_many`` met ``ids[i]`` awaited already: the same id earlier in ``ids``
+        is no error; otherwise undo ``ids[:i]`` (none was awaited before) and raise."""
+        if ids[i] in ids[:i]:
+            return
+        for request_id in ids[:i]:
+            left.pop(request_id, None)
+        _raise_again(ids[i], direction)
 
     def aggregate(self, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
         """Combine one step's outputs, one per rank (index = rank), into one.
@@ -214,8 +220,8 @@ class StandardAggregator:
         ``aggregate`` in rank order, events concatenated in rank order (EXE-006,
         EXE-007). Its ``expected_finished_count`` is None.
 
-        Work: set operations over each rank's reported ids (in C); a request whose count
-        is not the world size costs one Python step more per step it is reported in.
+        Work: one dict lookup and update per reported id; a request whose count is not
+        the world size costs a few Python steps more in each step it is reported in.
 
         Raises:
             InvalidArgumentError: ``outputs`` does not hold exactly one
@@ -230,146 +236,168 @@ class StandardAggregator:
 
         On any error nothing changed (EXE-009).
         """
-        given: object = outputs
-        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
-            raise InvalidArgumentError(
-                f"outputs is {type(outputs).__name__}; expected a sequence of "
-                f"{self._world_size} KVConnectorOutput, one per rank",
-                clause="EXE-010",
-            )
+        if type(outputs) is not list and type(outputs) is not tuple:
+            given: object = outputs
+            if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+                raise InvalidArgumentError(
+                    f"outputs is {type(outputs).__name__}; expected a sequence of "
+                    f"{self._world_size} KVConnectorOutput, one per rank",
+                    clause="EXE-010",
+                )
         if len(outputs) != self._world_size:
             raise InvalidArgumentError(
                 f"got {len(outputs)} outputs; expected exactly one per rank, "
                 f"{self._world_size} in all",
                 clause="EXE-010",
             )
-        overridden = False
-        failed_now: set[str] = set()
-        stats = worker_metadata = events = invalid = False
-        for rank, out in enumerate(outputs):
-            if type(out) is not KVConnectorOutput and not isinstance(out, KVConnectorOutput):
-                raise InvalidArgumentError(
-                    f"output of rank {rank} is {type(out).__name__}; expected a "
-                    "KVConnectorOutput",
-                    clause="EXE-010",
-                )
-            override = out.expected_finished_count
-            if override is not None:
-                overridden = True
-                if override > self._world_size:
-                    raise ReportError(
-                        f"rank {rank} reports expected_finished_count {override}; expected "
-                        f"at most the world size {self._world_size}",
-                        rank=rank,
-                        clause="EXE-008",
-                    )
-            if out.failed_recving:
-                failed_now |= out.failed_recving
-            stats = stats or out.stats is not None
-            worker_metadata = worker_metadata or out.worker_metadata is not None
-            events = events or bool(out.events)
-            invalid = invalid or bool(out.invalid_block_ids)
-
-        # Phase 1: validate, and everything that can still fail; no state changes.
-        fixed = self._overrides(outputs) if overridden else ({}, {})
-        steps: list[frozenset[str]] = []
-        planned: list[frozenset[str] | None] = []  # completions, or None: the fast path
-        for d in (0, 1):
-            counts, by_rank = self._count[d], self._by_rank[d]
-            keys = counts.keys()
-            reported = [out.finished_recving if d else out.finished_sending for out in outputs]
-            for rank, ids in enumerate(reported):
-                if ids:
-                    if not keys >= ids:
-                        self._raise_unknown(rank, d, min(ids.difference(counts)))
-                    if not ids.isdisjoint(by_rank[rank]):
-                        self._raise_double(rank, d, min(ids & by_rank[rank]))
-            step = frozenset().union(*reported)
-            steps.append(step)
-            if step and (fixed[d] or not step.isdisjoint(self._custom[d])):
-                planned.append(self._completions(d, reported, step, fixed[d]))
-            else:  # every request reported counts to the world size: decided below
-                planned.append(None)
-        stats_sum = _reduce(outputs, "stats", "EXE-006") if stats else None
-        metadata_sum = _reduce(outputs, "worker_metadata", "EXE-007") if worker_metadata else None
-
-        # Phase 2: commit.
-        done: list[frozenset[str]] = []
-        for d in (0, 1):
-            step = steps[d]
-            if not step:
-                done.append(step)
-                continue
-            fix = fixed[d]
-            if fix:
-                self._count[d].update(fix)
-                self._custom[d].update(r for r, n in fix.items() if n != self._world_size)
-            by_rank = self._by_rank[d]
+        if not _OUTPUT.issuperset(map(type, outputs)):
             for rank, out in enumerate(outputs):
-                new = out.finished_recving if d else out.finished_sending
-                if new:
-                    by_rank[rank].update(new)
-            self._fresh[d].difference_update(step)
-            complete = planned[d]
-            if complete is None:  # complete once every rank reported it
-                complete = step.intersection(*by_rank)
-            done.append(complete)
-            if complete:
-                counts = self._count[d]
-                for request_id in complete:
-                    del counts[request_id]
-                if self._custom[d]:
-                    self._custom[d].difference_update(complete)
-                for reported_ids in by_rank:
-                    reported_ids.difference_update(complete)
-        sending, recving = done
-        failed: frozenset[str] = frozenset()
-        if recving and (failed_now or self._failed):
-            failed = recving & (failed_now | self._failed)
-        if failed_now:
-            self._failed.update(failed_now)
-        if recving and self._failed:
-            self._failed.difference_update(recving)
+                if not isinstance(out, KVConnectorOutput):
+                    raise InvalidArgumentError(
+                        f"output of rank {rank} is {type(out).__name__}; expected a "
+                        "KVConnectorOutput",
+                        clause="EXE-010",
+                    )
+        # The rarely used fields, all ranks at once: any of them set on some rank?
+        rare = any(map(_rare, outputs))
+        if rare:  # validate what can still fail before any state changes (EXE-009)
+            fixed = self._overrides(outputs)
+            stats_sum = _reduce(outputs, "stats", "EXE-006")
+            metadata_sum = _reduce(outputs, "worker_metadata", "EXE-007")
+        elif self._world_size == 1:  # every report completes its request at once
+            return self._alone(outputs[0])
+        else:
+            fixed = _NO_COUNTS
+
+        # Each report clears its rank's bit of the request; a request whose bits are all
+        # clear is complete. The executor's per-step hot path: one loop per direction.
+        left_s, left_r = self._left
+        done_s: list[str] = []
+        done_r: list[str] = []
+        add_s, add_r = done_s.append, done_r.append
+        bit = d = 0
+        request_id = ""
+        try:
+            for bit, out in zip(self._bits, outputs):
+                d = 0
+                for request_id in out.finished_sending:
+                    mask = left_s[request_id] ^ bit
+                    if mask & bit:  # the bit was clear: this rank reported it already
+                        raise _Double
+                    if mask:
+                        left_s[request_id] = mask
+                    else:
+                        del left_s[request_id]
+                        add_s(request_id)
+                d = 1
+                for request_id in out.finished_recving:
+                    mask = left_r[request_id] ^ bit
+                    if mask & bit:
+                        raise _Double
+                    if mask:
+                        left_r[request_id] = mask
+                    else:
+                        del left_r[request_id]
+                        add_r(request_id)
+        except (KeyError, _Double) as exc:
+            self._uncount(outputs, (bit, d, request_id))
+            rank = bit.bit_length() - 1
+            # A request every rank reported earlier in this step was deleted: reporting
+            # it again is this rank's second report.
+            if isinstance(exc, KeyError) and request_id not in (done_r if d else done_s):
+                self._raise_unknown(rank, request_id, d)
+            self._raise_double(rank, request_id, d)
+
+        if fixed is not _NO_COUNTS or self._counts[0] or self._counts[1]:
+            # Some request's count is not the world size: count each one's reports.
+            sending, recving = self._completions(outputs, fixed)
+        else:
+            sending, recving = frozenset(done_s), frozenset(done_r)
+        if not rare:
+            if not (sending or recving):
+                return EMPTY_OUTPUT
+            failed = recving & self._failed if recving and self._failed else _NONE
+            if failed:
+                self._failed.difference_update(recving)
+            return KVConnectorOutput._trusted(sending, recving, failed, _NONE, None, (), None)
+        failed_now: set[str] = set().union(*(o.failed_recving for o in outputs))
+        failed = recving & (failed_now | self._failed) if recving else _NONE
+        self._failed.update(failed_now)
+        self._failed.difference_update(recving)
         return KVConnectorOutput._trusted(
             sending, recving, failed,
-            frozenset().union(*(o.invalid_block_ids for o in outputs)) if invalid
-            else frozenset(),
-            stats_sum,
-            tuple(e for o in outputs for e in o.events) if events else (),
-            metadata_sum,
-        )
+            frozenset().union(*(o.invalid_block_ids for o in outputs)),
+            stats_sum, tuple(e for o in outputs for e in o.events), metadata_sum)
 
-    def _completions(self, d: int, reported: list[frozenset[str]], step: frozenset[str],
-                     fixed: dict[str, int]) -> frozenset[str]:
-        """The requests of ``step`` whose count the reports of this step reach, counted
-        one by one (some count is not the world size, or was just overridden).
+    def _alone(self, out: KVConnectorOutput) -> KVConnectorOutput:
+        """``aggregate`` for one rank reporting nothing but finished ids: each completes
+        its request, so the output is the aggregate (nothing failed, no counts)."""
+        for d, ids in ((0, out.finished_sending), (1, out.finished_recving)):
+            if ids and not self._left[d].keys() >= ids:
+                self._raise_unknown(0, min(ids - self._left[d].keys()), d)
+        _consume(map(self._left[0].__delitem__, out.finished_sending))
+        _consume(map(self._left[1].__delitem__, out.finished_recving))
+        return out
+
+    def _completions(self, outputs: Sequence[KVConnectorOutput],
+                     fixed: tuple[dict[str, int], dict[str, int]]
+                     ) -> tuple[frozenset[str], frozenset[str]]:
+        """The step's completions (sends, receives) when some count is not the world
+        size, counted per request; commits the counts fixed in this step.
 
         Raises:
-            UnknownRequestError: more reports than the count in this step (EXE-003).
+            UnknownRequestError: more reports than the count in this step (EXE-003);
+                every change of the step is undone first.
         """
-        counts, by_rank = self._count[d], self._by_rank[d]
-        complete = []
-        for request_id in step:
-            count = fixed.get(request_id) or counts[request_id]
-            before = sum(request_id in ids for ids in by_rank)
-            now = sum(request_id in ids for ids in reported)
-            if before + now >= count:
-                if before + now > count:
-                    ranks = [rank for rank, ids in enumerate(reported) if request_id in ids]
+        complete: list[frozenset[str]] = []
+        for d in (0, 1):
+            reported = [o.finished_recving if d else o.finished_sending for o in outputs]
+            counts, left = self._counts[d], self._left[d]
+            done = []
+            for request_id in frozenset().union(*reported):
+                count = fixed[d].get(request_id) or counts.get(request_id, self._world_size)
+                have = self._world_size - left.get(request_id, 0).bit_count()
+                if have > count:
+                    self._uncount(outputs, None)
+                    now = [rank for rank, ids in enumerate(reported) if request_id in ids]
+                    extra = now[count - (have - len(now))]
                     direction = _DIRECTIONS[d]
                     _unknown(
-                        f"rank {ranks[count - before]} reports request {request_id!r} "
-                        f"finished {direction.value}ing, but it already completed in this "
-                        f"step after {count} reports; expected at most {count} reports",
-                        rank=ranks[count - before],
-                        request_id=request_id,
-                        direction=direction,
+                        f"rank {extra} reports request {request_id!r} finished "
+                        f"{direction.value}ing, but it already completed in this step "
+                        f"after {count} reports; expected at most {count} reports",
+                        rank=extra, request_id=request_id, direction=direction,
                     )
-                complete.append(request_id)
-        return frozenset(complete)
+                if have == count:
+                    done.append(request_id)
+            complete.append(frozenset(done))
+        for d in (0, 1):
+            counts, left = self._counts[d], self._left[d]
+            for request_id, n in fixed[d].items():  # counts hold those not the world size
+                if n == self._world_size:
+                    counts.pop(request_id, None)
+                else:
+                    counts[request_id] = n
+            for request_id in complete[d]:
+                left.pop(request_id, None)
+                counts.pop(request_id, None)
+        return complete[0], complete[1]
+
+    def _uncount(self, outputs: Sequence[KVConnectorOutput],
+                 stop: tuple[int, int, str] | None) -> None:
+        """Undo ``aggregate``'s loop up to ``(rank bit, direction, request_id)``, not
+        included, or all of it (the same order; XOR undoes itself, and restores the
+        requests the loop deleted)."""
+        for bit, out in zip(self._bits, outputs):
+            for d, ids in ((0, out.finished_sending), (1, out.finished_recving)):
+                left = self._left[d]
+                for request_id in ids:
+                    if (bit, d, request_id) == stop:
+                        return
+                    left[request_id] = left.get(request_id, 0) ^ bit
 
     @staticmethod
-    def _raise_unknown(rank: int, d: int, request_id: str) -> NoReturn:
+    def _raise_unknown(rank: int, request_id: str, d: int) -> NoReturn:
         direction = _DIRECTIONS[d]
         _unknown(
             f"rank {rank} reports request {request_id!r} finished {direction.value}ing, "
@@ -381,7 +409,7 @@ class StandardAggregator:
         )
 
     @staticmethod
-    def _raise_double(rank: int, d: int, request_id: str) -> NoReturn:
+    def _raise_double(rank: int, request_id: str, d: int) -> NoReturn:
         direction = _DIRECTIONS[d]
         raise DoubleReportError(
             f"rank {rank} reports request {request_id!r} finished {direction.value}ing a "
@@ -396,10 +424,12 @@ class StandardAggregator:
         self, outputs: Sequence[KVConnectorOutput]
     ) -> tuple[dict[str, int], dict[str, int]]:
         """The counts fixed by ``expected_finished_count`` in this step, per direction:
-        for requests no rank reported before, from the outputs that report them (EXE-008).
+        for awaited requests no rank reported before, from the outputs that report them
+        (EXE-008).
 
         Raises:
-            ReportError: two ranks give different counts for one request.
+            ReportError: a count above the world size, or two ranks give different
+                counts for one request.
         """
         fixed: tuple[dict[str, int], dict[str, int]] = ({}, {})
         source: dict[tuple[int, str], int] = {}
@@ -407,8 +437,18 @@ class StandardAggregator:
             override = out.expected_finished_count
             if override is None:
                 continue
+            if override > self._world_size:
+                raise ReportError(
+                    f"rank {rank} reports expected_finished_count {override}; expected "
+                    f"at most the world size {self._world_size}",
+                    rank=rank,
+                    clause="EXE-008",
+                )
             for d, ids in ((0, out.finished_sending), (1, out.finished_recving)):
-                for request_id in ids & self._fresh[d]:
+                left = self._left[d]
+                for request_id in ids:
+                    if left.get(request_id) != self._full:
+                        continue  # not awaited, or its count is already fixed
                     known = fixed[d].get(request_id)
                     if known is None:
                         fixed[d][request_id] = override
@@ -432,10 +472,11 @@ class StandardAggregator:
         from ``expect`` or the default; an output's ``expected_finished_count`` may
         still change it (EXE-008).
         """
+        ws = self._world_size
         return MappingProxyType({
             (request_id, _DIRECTIONS[d]):
-                count - sum(request_id in ids for ids in self._by_rank[d])
-            for d in (0, 1) for request_id, count in self._count[d].items()
+                self._counts[d].get(request_id, ws) - (ws - mask.bit_count())
+            for d in (0, 1) for request_id, mask in self._left[d].items()
         })
 
     def reported_by(self, request_id: str, direction: Direction) -> frozenset[int]:
@@ -443,11 +484,36 @@ class StandardAggregator:
 
         Empty when none did, or when it is not awaited (never registered, or complete).
         """
-        d = _index(direction)
-        return frozenset(rank for rank, ids in enumerate(self._by_rank[d]) if request_id in ids)
+        mask = self._left[_index(direction)].get(request_id, self._full)
+        return frozenset(rank for rank, bit in enumerate(self._bits) if not mask & bit)
 
 
-_DIRECTIONS = (Direction.SEND, Direction.RECV)
+class _Double(Exception):
+    """A rank reported a request twice (raised and caught inside ``aggregate``)."""
+
+
+_SEND, _RECV = _DIRECTIONS = (Direction.SEND, Direction.RECV)
+_STR = frozenset({str})
+_INDEXED = frozenset({list, tuple})
+_OUTPUT = frozenset({KVConnectorOutput})
+# No count fixed in a step (never changed).
+_NO_COUNTS: tuple[dict[str, int], dict[str, int]] = ({}, {})
+_NONE: frozenset[Any] = frozenset()
+# Runs an iterator of calls to its end, in C (the deletions of completed requests).
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+# Whether an output sets anything besides its finished sends and receives (derived on
+# construction).
+_rare = attrgetter("_rare")
+_SENDING = attrgetter("finished_sending")
+_RECVING = attrgetter("finished_recving")
+
+
+def _raise_again(request_id: str, direction: Direction) -> NoReturn:
+    raise InvalidArgumentError(
+        f"request {request_id!r} is already awaited for {direction.value}; "
+        "expected each request/direction to be registered once until it completes",
+        clause="EXE-011",
+    )
 
 
 def _index(direction: Direction) -> int:

@@ -551,6 +551,9 @@ class KVConnectorOutput:
     expected_finished_count: int | None = attrs.field(
         default=None, converter=_expected_finished_count
     )
+    # Whether anything besides the finished sets is set: the aggregator's fast path
+    # reads one flag per rank instead of six fields. Derived, never passed.
+    _rare: bool = attrs.field(init=False, default=False, repr=False, eq=False)
 
     @classmethod
     def _trusted(
@@ -564,16 +567,24 @@ class KVConnectorOutput:
         outputs that were checked when they were constructed (EVT-001), on the
         executor's critical path. Not for anything that comes from a connector."""
         out = object.__new__(cls)
-        for name, value in (("finished_sending", finished_sending),
-                            ("finished_recving", finished_recving),
-                            ("failed_recving", failed_recving),
-                            ("invalid_block_ids", invalid_block_ids), ("stats", stats),
-                            ("events", events), ("worker_metadata", worker_metadata),
-                            ("expected_finished_count", None)):
-            object.__setattr__(out, name, value)
+        fs, fr, fl, ib, st, ev, wm, ec, rare = _SLOT_SETTERS
+        fs(out, finished_sending)
+        fr(out, finished_recving)
+        fl(out, failed_recving)
+        ib(out, invalid_block_ids)
+        st(out, stats)
+        ev(out, events)
+        wm(out, worker_metadata)
+        ec(out, None)
+        rare(out, bool(failed_recving or invalid_block_ids or events or stats is not None
+                       or worker_metadata is not None))
         return out
 
     def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_rare", bool(
+            self.failed_recving or self.invalid_block_ids or self.events
+            or self.stats is not None or self.worker_metadata is not None
+            or self.expected_finished_count is not None))
         stray = self.failed_recving - self.finished_recving
         if stray:
             raise InvalidArgumentError(
@@ -695,6 +706,12 @@ class KVConnectorOutput:
 
 EMPTY_OUTPUT = KVConnectorOutput()
 """The output of a rank with nothing to report this step (EVT-001)."""
+
+# The slots' own setters, in field order: ``_trusted`` fills a frozen instance with them
+# (what attrs' generated ``__init__`` does, without the converters).
+_SLOT_SETTERS = tuple(
+    getattr(KVConnectorOutput, field.name).__set__ for field in attrs.fields(KVConnectorOutput)
+)
 
 
 # ----------------------------------------------------------------- wire helpers
