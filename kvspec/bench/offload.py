@@ -223,8 +223,9 @@ class StepOverhead:
             ``build_connector_meta``.
         encode_us: ``OffloadMetadata.encode``.
         decode_us: ``OffloadMetadata.decode`` on the worker.
-        plan_us: The worker's planning of the job (range checks, copy index, slot runs),
-            the same call ``start_load_kv`` makes.
+        plan_us: The worker's planning of the job (range checks, slot runs), the same
+            call ``start_load_kv`` makes; the copy builds its index on the worker's
+            background thread.
         finish_us: ``update_connector_output`` with the job reported finished (the store's
             blocks become stored and its ``BlockStored`` events are built; the load's
             slots unpin).
@@ -313,7 +314,7 @@ def measure_point(point: OffloadPoint, *, repeats: int, warmup: int, seed: int) 
     pool.host.copy_(written_bytes(pool.host.numel(), gen).view_as(pool.host))
     ids = random.Random(seed).sample(range(layout.num_blocks), point.blocks)
     slots = list(range(point.blocks))
-    plan = pool.plan(ids, slots)  # planning is per-step work, measured separately
+    plan = pool.plan(ids, slots)  # per-step work, measured separately; copies build their index
     nbytes = point.blocks * pool.bytes_per_block
     src, dst = written_bytes(nbytes, gen), written_bytes(nbytes, gen)
     # Interleaved, so that whatever else the machine does hits the three alike.
@@ -365,8 +366,7 @@ def measure_step_overhead(
     """Median per-step work outside the copies for one store job and one load job of
     ``blocks`` blocks, through the backend's own code: the scheduler role, the metadata
     codec and ``OffloadWorker._plan`` (the call ``start_load_kv`` makes), over a
-    layer-outermost layout of ``layers`` layers (the "rows" path, whose copy index has one
-    entry per layer and block, the larger plan).
+    layer-outermost layout of ``layers`` layers (the "rows" path).
 
     Each repetition uses a fresh scheduler (built untimed): a request with ``blocks`` full
     computed blocks finishes, so ``request_finished`` plans a store of all of them; the

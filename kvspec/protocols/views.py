@@ -328,7 +328,7 @@ class AllocatedBlocks:
         Raises:
             InvalidBlockIdError: ``block_ids`` is not an ordered iterable of ids >= 0.
         """
-        return cls((_block_ids("block ids", block_ids),))
+        return cls((block_ids,))  # the converter checks them
 
     @property
     def num_groups(self) -> int:
@@ -355,13 +355,13 @@ class AllocatedBlocks:
         """
         _positive("num_blocks", num_blocks)
         for g, ids in enumerate(self.groups):
-            for b in ids:
-                if b >= num_blocks:
-                    raise InvalidBlockIdError(
-                        f"group {g} holds block id {b}, outside the physical block budget "
-                        f"[0, {num_blocks})",
-                        clause="LAY-012",
-                    )
+            if ids and max(ids) >= num_blocks:
+                b = next(b for b in ids if b >= num_blocks)
+                raise InvalidBlockIdError(
+                    f"group {g} holds block id {b}, outside the physical block budget "
+                    f"[0, {num_blocks})",
+                    clause="LAY-012",
+                )
 
 
 @attrs.frozen

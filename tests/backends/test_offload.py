@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import struct
 import threading
 import time
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -402,6 +402,31 @@ def test_store_when_finished_stores_nothing_while_running() -> None:
         OffloadScheduler(_config(offload_store="sometimes"))
 
 
+def test_stores_in_flight_are_tracked_per_block() -> None:
+    """A store reported finished makes only its blocks stored; the blocks of another store
+    still in flight are neither matched nor planned again, and blocks repeated in a request
+    or already stored are left out of a new store."""
+    sched = OffloadScheduler(_config(offload_store="finished"))
+    a, b = _request("a", list(range(9)), computed=9), _request("b", list(range(50, 59)), computed=9)
+    for r in (a, b):
+        sched.on_new_request(r)
+        assert sched.request_finished(r, (1, 2) if r is a else (3, 4)) == (True, None)
+    assert [j.slots for j in _meta(sched).stores] == [(0, 1), (2, 3)]
+    _finish_store(sched, "a")
+    c = _request("c", list(range(50, 59)), computed=9)
+    sched.on_new_request(c)
+    assert sched.get_num_new_matched_tokens(c, 0) == (0, False)  # b's blocks: in flight
+    assert sched.request_finished(c, (5, 6)) == (False, None)
+    _finish_store(sched, "b")
+    x = hashlib.sha256(b"x").digest()
+    d = RequestView("d", tuple(range(17)), block_hashes=(*a.block_hashes, x, x),
+                    num_computed_tokens=16)
+    sched.on_new_request(d)
+    assert sched.request_finished(d, (5, 6, 7, 8)) == (True, None)
+    (job,) = _meta(sched).stores
+    assert (job.block_ids, job.slots) == ((7,), (4,))  # a's two blocks stored, one repeat
+
+
 def test_scheduler_drops_blocks_of_failed_loads() -> None:
     sched = OffloadScheduler(_config())
     prompt = list(range(9))
@@ -433,21 +458,52 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
         stores=(TransferJob.of("r2", ((3, 5, 3),), False),),
         aborted_loads=("r3",),
     )
-    assert OffloadMetadata.decode(meta.encode()) == meta
     good = meta.encode()
-    magic, size = struct.unpack_from("<4sI", good)
-    header, payload = good[8:8 + size], good[8 + size:]
-    # Payload: r1's three columns (2 blocks), then r2's (1 block): block, slot, tag.
-    r2_slot = 8 * 6 + 8
-    negative_slot = good[:8 + size + r2_slot] + struct.pack("<q", -5) + good[8 + size + r2_slot + 8:]
-    twice = good[:8 + size] + struct.pack("<6q", 1, 1, 0, 1, 1, 2) + payload[48:]
-    for bad in (b"", b"[]", b"\xff" * 12, good[:-1], good + b"\0" * 24, b"XXXX" + good[4:],
-                good.replace(b'"version":1', b'"version":2'),
-                good.replace(b'"blocks":2', b'"blocks":0'),
-                struct.pack("<4sI", magic, 1 << 30) + header + payload,
-                negative_slot, twice):
-        with pytest.raises(MalformedMetadataError):
+    assert OffloadMetadata.decode(good) == meta
+    assert OffloadMetadata.decode(bytearray(good)) == meta
+    assert OffloadMetadata.decode(OffloadMetadata().encode()) == OffloadMetadata()
+    wire = msgspec.msgpack.decode(good)
+    assert wire == ["kvspec.offload", 2, [["r1", [1, 2], [0, -1], [1, 2]]],
+                    [["r2", [3], [5], 3]], ["r3"]]  # one tag: every block's
+    same = OffloadMetadata(stores=(TransferJob.of("r", ((4, 1, 9), (2, 0, 9)), False),))
+    assert msgspec.msgpack.decode(same.encode())[3] == [["r", [4, 2], [1, 0], 9]]
+    assert OffloadMetadata.decode(same.encode()) == same
+
+    def edit(path: tuple[int, ...], value: Any) -> bytes:
+        """``good`` with the element at ``path`` of its plain-data form replaced."""
+        data = msgspec.msgpack.decode(good)
+        *outer, last = path
+        target = data
+        for i in outer:
+            target = target[i]
+        target[last] = value
+        return msgspec.msgpack.encode(data)
+
+    for bad in (
+        b"", b"[]", b"\xff" * 12, b"\x80\x04garbage", good[:-1], good + b"\0",
+        b"\xdd\xff\xff\xff\xff" + good[1:],  # an array claiming 2**32 - 1 elements
+        good.replace(b"\xa2r1", b"\xa2\xff\xfe"),  # a request id that is not UTF-8
+        msgspec.msgpack.encode(wire[:4]), msgspec.msgpack.encode([*wire, []]),
+        edit((0,), "other"), edit((1,), 1), edit((1,), True),
+        edit((2, 0, 0), ""), edit((2, 0, 0), 7), edit((4, 0), ""),
+        edit((3, 0, 2, 0), -1),  # a store needs a real slot
+        edit((2, 0, 2, 1), -2),
+        edit((2, 0, 1), [1, 1]),  # a block twice
+        edit((2, 0, 2), [0, 0]),  # a slot twice
+        edit((2, 0, 3), [1]),  # columns of different lengths
+        edit((3, 0), ["r2", [], [], []]),  # an empty job
+        edit((3, 0), ["r2", [3], [5]]), edit((3, 0), ["r2", [3], [5], [3], []]),
+        edit((2, 0, 1, 0), True), edit((3, 0, 2, 0), 5.0), edit((3, 0, 3), "3"),
+        edit((3, 0, 3), -1), edit((3, 0, 3), True), edit((3, 0, 3), []), edit((2, 0, 3), 1.5),
+        edit((3, 0, 1, 0), -5), edit((3, 0, 1, 0), 1 << 63), edit((3, 0, 3), 1 << 63),
+        edit((2, 0, 2, 0), -(1 << 63)),
+        edit((2,), [["r1", [1], [0], [1]], ["r1", [2], [1], [1]]]),  # a request twice
+        edit((4,), ["r3", "r3"]),
+    ):
+        with pytest.raises(MalformedMetadataError, match="ERR-005"):
             OffloadMetadata.decode(bad)
+    with pytest.raises(MalformedMetadataError):
+        OffloadMetadata.decode("not bytes")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         TransferJob("r", (1, 2), (0, 0), (1, 1), False)  # one slot twice
     with pytest.raises(InvalidArgumentError):
@@ -798,6 +854,28 @@ def test_layerwise_dummy_forwards_store_nothing_and_buffers_persist() -> None:
     assert OffloadWorker(_config(), 0).persistent_buffers == {}
     with pytest.raises(InvalidArgumentError):
         OffloadWorker(_config(), 0, store_path="sideways")
+
+
+def test_a_block_evicted_after_the_match_loads_with_slot_minus_one() -> None:
+    """WRK-011: a block evicted between the match and the allocation is sent with slot -1
+    (the workers fail it); the other blocks load, count as hits and are pinned."""
+    sched = OffloadScheduler(_config(offload_slots=3))
+    a = _request("a", list(range(9)), computed=9)
+    sched.on_new_request(a)
+    sched.request_finished(a, (3, 4, 5))
+    _meta(sched)
+    _finish_store(sched, "a")  # slots 0 and 1
+    probe = _request("probe", list(range(9)))
+    sched.on_new_request(probe)
+    assert sched.get_num_new_matched_tokens(probe, 0) == (8, True)
+    b = _request("b", list(range(50, 59)), computed=9)
+    sched.on_new_request(b)
+    sched.request_finished(b, (6, 7, 8))  # slot 2, and slot 0: a's first block evicted
+    hits = sched.stats()["hit_blocks"]
+    sched.update_state_after_alloc(probe, AllocatedBlocks.single((0, 1, 2)), 8)
+    (load,) = _meta(sched).loads
+    assert (load.block_ids, load.slots) == ((0, 1), (-1, 1))
+    assert sched.stats()["hit_blocks"] == hits + 1 and sched.stats()["pinned_slots"] == 1
 
 
 def test_matches_never_count_evicted_or_failed_blocks() -> None:

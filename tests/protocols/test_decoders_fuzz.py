@@ -15,14 +15,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspec.backends.nixl import NixlLoad, NixlMetadata, PeerInfo
-from kvspec.backends.offload import FailedStores, OffloadMetadata
+from kvspec.backends.offload import FailedStores, OffloadMetadata, TransferJob
 from kvspec.conformance.connectors.layerwise import LayerwiseMetadata
 from kvspec.conformance.connectors.null import NullMetadata
 from kvspec.conformance.connectors.shared_storage import SharedStorageMetadata
 from kvspec.protocols import HandshakeMetadata, KVSpecError, RequestView, freeze_params
 
 DECODERS: dict[str, tuple[Callable[[bytes], Any], bytes]] = {
-    "offload": (OffloadMetadata.decode, OffloadMetadata().encode()),
+    "offload": (OffloadMetadata.decode, OffloadMetadata(
+        loads=(TransferJob.of("r", ((1, 0, 1), (2, -1, 2)), True),),
+        stores=(TransferJob.of("s", ((3, 4, 5),), False),), aborted_loads=("a",)).encode()),
     "offload-failed-stores": (FailedStores.decode, FailedStores(frozenset({"a", "b"})).encode()),
     "nixl": (NixlMetadata.decode, NixlMetadata(
         loads=(NixlLoad("r", "e", (3, 0), (9, 1), "p", "0f" * 16),), sends={"q": "a1" * 16},

@@ -11,7 +11,7 @@ WRK-013), and ``EvictionPolicy.evict`` returns None when every resident key is p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 
 from kvspec.protocols import InvalidArgumentError
@@ -119,20 +119,28 @@ class LRUPolicy(EvictionPolicy):
             self._entries.move_to_end(key)
 
     def insert_many(self, keys: Sequence[bytes]) -> None:
-        """Insert ``keys`` in order; new keys that fit are appended in one C-level update."""
+        """Insert ``keys`` in order: when they fit, one ``__setitem__`` each
+        (``OrderedDict.update`` is slower), then, if some were resident, ``move_to_end``."""
         entries = self._entries
-        if len(entries) + len(keys) <= self.capacity and entries.keys().isdisjoint(keys):
-            entries.update(dict.fromkeys(keys))
-        else:
+        before = len(entries)
+        if before + len(keys) > self.capacity:
             super().insert_many(keys)
+            return
+        for key in keys:
+            entries[key] = None
+        if len(entries) - before < len(keys):  # a resident key stays put on __setitem__
+            for key in keys:
+                entries.move_to_end(key)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
-        """Mark ``keys`` most recently used, the last one most."""
+        """Mark ``keys`` most recently used, the last one most; absent keys are ignored."""
         entries = self._entries
-        move = entries.move_to_end
-        for key in keys:
-            if key in entries:
-                move(key)
+        try:
+            deque(map(entries.move_to_end, keys), maxlen=0)  # at C speed
+        except KeyError:  # an absent key: again, skipping those (the order comes out the same)
+            for key in keys:
+                if key in entries:
+                    entries.move_to_end(key)
 
     def evict(self, is_pinned: Callable[[bytes], bool], incoming: bytes | None = None) -> bytes | None:
         """Remove and return the least recently used unpinned key."""

@@ -13,11 +13,12 @@ byte offset: PyTorch's indexed copies move one element per inner-loop step, so c
 4 KiB regions as 256 sixteen-byte elements instead of 4096 bytes is what makes them run at
 memory speed. Bytes are copied, never interpreted (no arithmetic, no NaN canonicalisation).
 
-A job is planned once (``HostPool.plan``): the range checks, the index of the regions
-to move, and the runs of consecutive slots. Each run then moves with one indexed op per
-direction, never a Python loop over layers or blocks: ``index_select`` into the pool's
-rows (store) and ``index_copy_`` from them (load), on one of three paths
-(``HostPool.path``):
+A job is planned once, on the engine's thread (``HostPool.plan``): the range checks and
+the runs of consecutive slots. The copy (``HostPool.store``, ``HostPool.load``, on the
+worker's background thread) builds the index of the regions to move, with a few
+vectorised ops, and moves each run with one indexed op per direction, never a Python loop
+over layers or blocks: ``index_select`` into the pool's rows (store) and ``index_copy_``
+from them (load), on one of three paths (``HostPool.path``):
 
 ``"block"``
     one region per block (unpadded block-outermost layouts, LAY-013): a
@@ -107,15 +108,12 @@ class CopyPlan:
     Attributes:
         block_ids: Engine blocks, in job order.
         slots: Pool slots, pairwise with ``block_ids``.
-        index: The index into ``HostPool.path``'s view of the KV caches,
-            ``entries_per_block`` entries per block, in job order.
         runs: ``(first slot, first job position, length)`` per run of consecutive slots;
             one indexed op per run and direction.
     """
 
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
-    index: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
 
 
@@ -198,8 +196,12 @@ class HostPool:
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, block_ids: Sequence[int], slots: Sequence[int]) -> CopyPlan:
-        """Check and plan moving ``block_ids`` to or from ``slots``, pairwise.
+    def plan(
+        self, block_ids: Sequence[int], slots: Sequence[int], *, checked: bool = False
+    ) -> CopyPlan:
+        """Check and plan moving ``block_ids`` to or from ``slots``, pairwise. ``checked``:
+        they are a ``TransferJob``'s columns (ints, block ids >= 0), so only the upper
+        bounds are checked.
 
         Raises:
             InvalidBlockIdError: a block id outside ``[0, num_blocks)`` (LAY-012).
@@ -211,43 +213,50 @@ class HostPool:
                 f"{len(ids)} block ids and {len(slot_tuple)} slots; expected the same "
                 "non-zero number", clause="ERR-002",
             )
-        if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= self.num_blocks:
+        if (not checked and (not set(map(type, ids)) <= {int} or min(ids) < 0)) or (
+            max(ids) >= self.num_blocks
+        ):
             bad = next(b for b in ids if type(b) is not int or not 0 <= b < self.num_blocks)
             raise InvalidBlockIdError(
                 f"block id {bad!r} is outside the engine's block budget; expected ints in "
                 f"[0, num_blocks={self.num_blocks})", clause="LAY-012",
             )
-        if not set(map(type, slot_tuple)) <= {int} or min(slot_tuple) < 0 or (
-            max(slot_tuple) >= self.slots
+        runs = _runs(slot_tuple) if checked or set(map(type, slot_tuple)) <= {int} else ()
+        if not runs or min(s for s, _, _ in runs) < 0 or max(s + n for s, _, n in runs) > (
+            self.slots
         ):
             bad = next(s for s in slot_tuple if type(s) is not int or not 0 <= s < self.slots)
             raise OffloadCapacityError(
                 f"slot {bad!r} is outside the host pool [0, {self.slots}); the scheduler "
                 "and the workers must agree on offload_slots", clause="ERR-002",
             )
-        index = _int64_tensor(ids)
-        if self.path == "rows":
-            index = (index[:, None] * self._stride_entries + self._bases[None, :]).reshape(-1)
-        elif self.path == "elements":
-            index = (
-                (index[:, None] * self._stride_entries + self._bases[None, :])[:, :, None]
-                + self._arange[None, None, :]
-            ).reshape(-1)
-        return CopyPlan(ids, slot_tuple, index.to(self.device), _runs(slot_tuple))
+        return CopyPlan(ids, slot_tuple, runs)
 
     # -- copies -----------------------------------------------------------------------------
+
+    def _index(self, plan: CopyPlan) -> torch.Tensor:
+        """The index into ``path``'s view of the KV caches: ``entries_per_block`` entries
+        per block (its regions' rows, or their elements), in job order."""
+        index = _int64_tensor(plan.block_ids)
+        if self.path != "block":
+            index = torch.add(self._bases, index.unsqueeze(1), alpha=self._stride_entries)
+            if self.path == "elements":
+                index = index.unsqueeze(2) + self._arange
+            index = index.view(-1)
+        return index.to(self.device)
 
     def _host_rows(self, slot: int, n: int) -> torch.Tensor:
         k = self.entries_per_block
         return self._host[slot * k:(slot + n) * k]
 
     def store(self, plan: CopyPlan) -> None:
-        """Copy the plan's blocks of the KV caches into its slots: one gather per run of
-        consecutive slots, straight into the pool's rows (through a device staging
-        buffer when the KV caches are not on the host)."""
+        """Copy the plan's blocks of the KV caches into its slots: build the index, then one
+        gather per run of consecutive slots, straight into the pool's rows (through a device
+        staging buffer when the KV caches are not on the host)."""
         k = self.entries_per_block
+        entries = self._index(plan)
         for slot, pos, n in plan.runs:
-            index = plan.index[pos * k:(pos + n) * k]
+            index = entries[pos * k:(pos + n) * k]
             dst = self._host_rows(slot, n)
             if self.device.type == "cpu":
                 torch.index_select(self._view, 0, index, out=dst)
@@ -255,11 +264,12 @@ class HostPool:
                 dst.copy_(self._view.index_select(0, index), non_blocking=True)
 
     def load(self, plan: CopyPlan) -> None:
-        """Copy the plan's slots into its blocks of the KV caches: one scatter per run of
-        consecutive slots, straight from the pool's rows."""
+        """Copy the plan's slots into its blocks of the KV caches: build the index, then one
+        scatter per run of consecutive slots, straight from the pool's rows."""
         k = self.entries_per_block
+        entries = self._index(plan)
         for slot, pos, n in plan.runs:
-            index = plan.index[pos * k:(pos + n) * k]
+            index = entries[pos * k:(pos + n) * k]
             src = self._host_rows(slot, n)
             if self.device.type != "cpu":
                 src = src.to(self.device, non_blocking=True)

@@ -8,20 +8,18 @@ step's ``OffloadMetadata``, "store block b into slot s" and "load slot s into bl
 
 from __future__ import annotations
 
-import array
 import json
 import logging
 import math
-import struct
-import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NoReturn
+from itertools import repeat, takewhile
+from operator import itemgetter
+from typing import Annotated, Any, Literal, NamedTuple, NoReturn
 
 import attrs
+import msgspec
 from typing_extensions import Self
-
-from kvspec.protocols.metadata import decode_json_envelope
 
 from kvspec.protocols import (
     AllocatedBlocks,
@@ -57,7 +55,7 @@ MEDIUM = "CPU"
 """The ``medium`` of the backend's ``BlockStored`` / ``BlockRemoved`` events (EVT-005)."""
 
 _META_KIND = "kvspec.offload"
-_META_VERSION = 1
+_META_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- settings
@@ -176,25 +174,32 @@ def _malformed(detail: str) -> NoReturn:
 _INT = frozenset({int})
 
 
-def _column(
-    value: object, what: str, minimum: int, *, distinct: bool, typed: bool = False
-) -> tuple[int, ...]:
-    """Check one column of a job: a non-empty tuple of ints >= ``minimum`` (distinct ones,
-    ignoring -1, when ``distinct``); ``typed`` skips the element type check (the decoder's
-    columns are ints by construction). Runs at C speed: no per-element Python code."""
-    if type(value) is not tuple or not value:
-        raise InvalidArgumentError(f"{what} must be a non-empty tuple of ints, got {value!r}")
-    if not typed and not set(map(type, value)) <= _INT:
-        bad = next(v for v in value if type(v) is not int)
-        raise InvalidArgumentError(f"{what} holds {bad!r}; expected ints")
-    if min(value) < minimum:
-        raise InvalidArgumentError(f"{what} holds {min(value)}; expected ints >= {minimum}")
+def _column(job: TransferJob, name: str, minimum: int, *, distinct: bool, typed: bool) -> None:
+    """Check column ``name`` of ``job``: a non-empty tuple of ints >= ``minimum`` (distinct
+    ones, ignoring -1, when ``distinct``); ``typed`` skips the element type and range checks
+    (the decoder's columns are ints >= ``minimum`` by construction). Runs at C speed: no
+    per-element Python code."""
+    value = getattr(job, name)
+    if not typed:
+        if type(value) is not tuple or not value:
+            raise InvalidArgumentError(
+                f"{name} of job of {job.request_id!r} must be a non-empty tuple of ints, "
+                f"got {value!r}"
+            )
+        if not set(map(type, value)) <= _INT:
+            bad = next(v for v in value if type(v) is not int)
+            raise InvalidArgumentError(
+                f"{name} of job of {job.request_id!r} holds {bad!r}; expected ints"
+            )
+        if min(value) < minimum:
+            raise InvalidArgumentError(f"{name} of job of {job.request_id!r} holds "
+                                       f"{min(value)}; expected ints >= {minimum}")
     if distinct:
         unique = set(value)
-        unique.discard(-1)
-        if len(unique) != len(value) - value.count(-1):
-            raise InvalidArgumentError(f"{what} names the same value twice")
-    return value
+        if len(unique) != len(value) and len(unique - {-1}) != len(value) - value.count(-1):
+            raise InvalidArgumentError(
+                f"{name} of job of {job.request_id!r} names the same value twice"
+            )
 
 
 @attrs.frozen
@@ -233,18 +238,17 @@ class TransferJob:
             )
         if not isinstance(self.is_load, bool):
             raise InvalidArgumentError(f"is_load must be a bool, got {self.is_load!r}")
-        what = f"job of {self.request_id!r}"
         try:
-            _column(self.block_ids, f"block_ids of {what}", 0, distinct=True, typed=typed)
+            _column(self, "block_ids", 0, distinct=True, typed=typed)
         except InvalidArgumentError as e:
             raise InvalidBlockIdError(e.message, clause="ERR-003") from None
-        _column(self.slots, f"slots of {what}", -1 if self.is_load else 0, distinct=True,
-                typed=typed)
-        _column(self.tags, f"tags of {what}", 0, distinct=False, typed=typed)
+        _column(self, "slots", -1 if self.is_load else 0, distinct=True, typed=typed)
+        _column(self, "tags", 0, distinct=False, typed=typed)
         if not len(self.block_ids) == len(self.slots) == len(self.tags):
             raise InvalidArgumentError(
-                f"{what} has {len(self.block_ids)} block ids, {len(self.slots)} slots and "
-                f"{len(self.tags)} tags; expected one of each per block"
+                f"job of {self.request_id!r} has {len(self.block_ids)} block ids, "
+                f"{len(self.slots)} slots and {len(self.tags)} tags; expected one of each "
+                "per block"
             )
 
     @classmethod
@@ -252,9 +256,9 @@ class TransferJob:
         cls, request_id: str, block_ids: tuple[int, ...], slots: tuple[int, ...],
         tags: tuple[int, ...], is_load: bool, *, typed: bool | None,
     ) -> TransferJob:
-        """Construct with the element type check skipped (``typed`` True: the columns are
-        ints by construction, as the decoder's are) or every check skipped (``typed``
-        None: the scheduler's own jobs, built from checked inputs)."""
+        """Construct with the element type and range checks skipped (``typed`` True: the
+        columns are ints in range by construction, as the decoder's are) or every check
+        skipped (``typed`` None: the scheduler's own jobs, built from checked inputs)."""
         job = object.__new__(cls)
         for name, value in (("request_id", request_id), ("block_ids", block_ids),
                             ("slots", slots), ("tags", tags), ("is_load", is_load)):
@@ -277,27 +281,40 @@ class TransferJob:
         return len(self.block_ids)
 
 
-_META_KEYS = frozenset({"kind", "version", "loads", "stores", "aborted_loads"})
-_JOB_KEYS = frozenset({"request_id", "blocks"})
-_MAGIC = b"KVSO"
-_HEADER = struct.Struct("<4sI")  # magic, header length
-_MAX_HEADER = 1 << 24
+_INT64_MAX = (1 << 63) - 1
+_ReqId = Annotated[str, msgspec.Meta(min_length=1)]
+_Int = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
+_Column = Annotated[tuple[_Int, ...], msgspec.Meta(min_length=1)]
+_LoadSlots = Annotated[
+    tuple[Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX)], ...], msgspec.Meta(min_length=1)
+]
+_Tags = _Int | _Column  # an int: every block's tag
+# The layout ``OffloadMetadata.encode`` writes: kind, version (``_META_KIND``,
+# ``_META_VERSION``), loads, stores, aborted loads.
+_WIRE_DECODER = msgspec.msgpack.Decoder(tuple[
+    Literal["kvspec.offload"], Literal[2],
+    tuple[tuple[_ReqId, _Column, _LoadSlots, _Tags], ...],  # loads
+    tuple[tuple[_ReqId, _Column, _Column, _Tags], ...],  # stores: no slot -1
+    tuple[_ReqId, ...],
+])
+_WIRE_ENCODER = msgspec.msgpack.Encoder()
 
 
-def _int64s(values: Sequence[int]) -> bytes:
-    """``values`` as little-endian int64s."""
-    buf = array.array("q", values)
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian platform runs torch CI
-        buf.byteswap()
-    return buf.tobytes()
+def _wire_job(job: TransferJob) -> tuple[str, tuple[int, ...], tuple[int, ...], object]:
+    """``job`` as ``encode`` writes it: its tags as one int when they are all the same."""
+    tags = job.tags
+    return job.request_id, job.block_ids, job.slots, (
+        tags[0] if tags.count(tags[0]) == len(tags) else tags
+    )
 
 
-def _from_int64s(raw: bytes | memoryview) -> tuple[int, ...]:
-    buf = array.array("q")
-    buf.frombytes(raw)
-    if sys.byteorder != "little":  # pragma: no cover
-        buf.byteswap()
-    return tuple(buf)
+def _job(wire: tuple[str, tuple[int, ...], tuple[int, ...], int | tuple[int, ...]],
+         is_load: bool) -> TransferJob:
+    """A decoded job, checked (``TransferJob._check`` on typed columns)."""
+    request_id, block_ids, slots, tags = wire
+    if isinstance(tags, int):
+        tags = (tags,) * len(block_ids)
+    return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=True)
 
 
 @attrs.frozen
@@ -312,8 +329,8 @@ class OffloadMetadata:
         aborted_loads: Requests finished while their load was in flight (SCH-021); the
             workers still report each in ``finished_recving`` once.
 
-    Encodes to a JSON header and int64 columns (``encode``); ``decode`` accepts
-    exactly that and validates every field (ERR-005, ERR-006).
+    Encodes to MessagePack through msgspec (``encode``); ``decode`` accepts exactly that
+    and validates every field (ERR-005, ERR-006).
 
     Raises:
         InvalidArgumentError: a field is malformed, or a request appears twice in a list.
@@ -349,30 +366,23 @@ class OffloadMetadata:
         return not (self.loads or self.stores or self.aborted_loads)
 
     def encode(self) -> bytes:
-        """Encode as plain data, no pickle (ERR-006): the magic ``b"KVSO"``, the length of a
-        UTF-8 JSON header (``uint32`` little-endian), the header
-        ``{"kind", "version", "loads", "stores", "aborted_loads"}`` (each job
-        ``{"request_id", "blocks"}``, its block count), then for each job, loads first,
-        its ``block_ids``, ``slots`` and ``tags`` columns as little-endian int64s. A
-        256-block job encodes and decodes in microseconds."""
-        def jobs(js: tuple[TransferJob, ...]) -> list[dict[str, Any]]:
-            return [{"request_id": j.request_id, "blocks": len(j)} for j in js]
-
-        header = json.dumps(
-            {
-                "kind": _META_KIND, "version": _META_VERSION, "loads": jobs(self.loads),
-                "stores": jobs(self.stores), "aborted_loads": list(self.aborted_loads),
-            },
-            sort_keys=True, separators=(",", ":"),
-        ).encode()
-        parts = [_HEADER.pack(_MAGIC, len(header)), header]
-        for j in (*self.loads, *self.stores):
-            parts.append(_int64s(j.block_ids + j.slots + j.tags))
-        return b"".join(parts)
+        """Encode as plain data, no pickle (ERR-006): one MessagePack array
+        ``["kvspec.offload", 2, loads, stores, aborted_loads]``, each job an array
+        ``[request_id, block_ids, slots, tags]`` of its columns (arrays of ints; ``tags``
+        one int when every block has that tag, as in every job the scheduler builds from
+        one store)."""
+        return _WIRE_ENCODER.encode((
+            _META_KIND, _META_VERSION, [_wire_job(j) for j in self.loads],
+            [_wire_job(j) for j in self.stores], self.aborted_loads,
+        ))
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Decode and validate bytes from ``encode``.
+        """Decode and validate bytes from ``encode``: msgspec's typed decoder checks the
+        layout and every value's type and range (request ids non-empty; block ids, tags and
+        store slots int64s >= 0, load slots >= -1), then each job is checked for distinct
+        block ids and slots and columns of one length. The worker checks block ids and
+        slots against its pool when it plans the copies (LAY-012, ERR-002).
 
         Raises:
             MalformedMetadataError: ``data`` is not exactly what ``encode`` writes, or a
@@ -380,52 +390,16 @@ class OffloadMetadata:
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             _malformed(f"expected bytes, got {type(data).__name__}")
-        data = bytes(data)
-        if len(data) < _HEADER.size:
-            _malformed(f"{len(data)} bytes; expected at least the {_HEADER.size}-byte prefix")
-        magic, size = _HEADER.unpack_from(data)
-        if magic != _MAGIC or size > min(_MAX_HEADER, len(data) - _HEADER.size):
-            _malformed(f"prefix {magic!r} with a {size}-byte header in {len(data)} bytes; "
-                       f"expected {_MAGIC!r} and a header that fits")
-        obj = decode_json_envelope(
-            data[_HEADER.size:_HEADER.size + size], kind=_META_KIND, version=_META_VERSION,
-            keys=_META_KEYS, lists=("loads", "stores", "aborted_loads"), fail=_malformed,
-        )
-        counts = []
-        for name in ("loads", "stores"):
-            for i, value in enumerate(obj[name]):
-                n = value.get("blocks") if isinstance(value, dict) else None
-                if not isinstance(value, dict) or set(value) != _JOB_KEYS or type(n) is not int or (
-                    n < 1
-                ):
-                    _malformed(f"{name}[{i}] is {value!r}; expected {{'request_id': str, "
-                               "'blocks': int >= 1}")
-                counts.append(n)
-        payload = memoryview(data)[_HEADER.size + size:]
-        if len(payload) != 24 * sum(counts):
-            _malformed(f"{len(payload)} payload bytes; the header's {sum(counts)} blocks "
-                       f"need {24 * sum(counts)} (three int64 columns)")
-        columns = iter(counts)
-        offset = 0
-
-        def job(value: dict[str, Any], is_load: bool) -> TransferJob:
-            nonlocal offset
-            n = next(columns)
-            values = _from_int64s(payload[offset:offset + 24 * n])
-            offset += 24 * n
-            return TransferJob._build(value["request_id"], values[:n], values[n:2 * n],
-                                      values[2 * n:], is_load, typed=True)
-
         try:
-            return cls(
-                loads=tuple(job(v, True) for v in obj["loads"]),
-                stores=tuple(job(v, False) for v in obj["stores"]),
-                aborted_loads=tuple(obj["aborted_loads"]),
-            )
+            _, _, loads, stores, aborted = _WIRE_DECODER.decode(data)
+            return cls(loads=tuple(_job(j, True) for j in loads),
+                       stores=tuple(_job(j, False) for j in stores), aborted_loads=aborted)
         except MalformedMetadataError:
             raise
         except InvalidArgumentError as e:
             _malformed(e.message)
+        except (msgspec.MsgspecError, ValueError) as e:  # ValueError: a str not UTF-8
+            _malformed(str(e))
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -440,6 +414,16 @@ def _id_set(ids: Iterable[str]) -> frozenset[str]:
 
 
 _MAX_FAILED_BYTES = 1 << 24
+
+
+def _pick(container: Mapping[Any, int] | Sequence[int], keys: Sequence[Any]) -> tuple[int, ...]:
+    """``container[k]`` for each of ``keys`` (at least one), at C speed.
+
+    Raises:
+        KeyError: a key is missing.
+    """
+    picked = itemgetter(*keys)(container)
+    return picked if len(keys) > 1 else (picked,)
 
 
 @attrs.frozen
@@ -483,13 +467,12 @@ class FailedStores:
             ) from None
 
 
-@attrs.frozen
-class _Record:
+class _Record(NamedTuple):
     """A load or store awaiting the aggregated report: the job and its blocks' keys."""
 
     job: TransferJob
     keys: tuple[bytes, ...]
-    positions: tuple[int, ...] = ()  # stores: the blocks' positions in the request
+    positions: Sequence[int] = ()  # stores: the blocks' positions in the request
     request: RequestView | None = None  # stores: for the BlockStored events
 
 
@@ -540,7 +523,7 @@ class OffloadScheduler(SchedulerConnector):
         self._next_tag = 1
         self._free: list[int] = list(range(self._capacity - 1, -1, -1))  # descending
         self._free_sorted = True
-        self._pinning: dict[str, tuple[int, ...]] = {}  # in-flight load -> slots it reads
+        self._pinning: dict[str, tuple[int, ...]] = {}  # in-flight load -> its slots, -1s too
         self._zombies: set[int] = set()  # dropped while pinned: freed when unpinned
         self._storing: set[bytes] = set()
         self._known: set[str] = set()
@@ -588,11 +571,8 @@ class OffloadScheduler(SchedulerConnector):
         keys = request.block_hashes
         start = num_computed_tokens // bs
         end = min(len(keys), (request.num_prompt_tokens - 1) // bs)
-        index = self._index
-        stop = start
-        while stop < end and keys[stop] in index:
-            stop += 1
-        return max(0, stop - start) * bs
+        stored = takewhile(self._index.__contains__, keys[start:end])  # the stored prefix
+        return len(list(stored)) * bs
 
     def on_new_request(self, request: RequestView) -> None:
         """Remember the request (SCH-028)."""
@@ -658,18 +638,20 @@ class OffloadScheduler(SchedulerConnector):
                 clause="SCH-010",
             )
         keys = tuple(all_keys[first:last])
-        get = self._index.get
-        slots = tuple([get(k, -1) for k in keys])
-        tag = self._slot_tag
-        tags = tuple([tag[s] if s >= 0 else 0 for s in slots])
-        hits = [s for s in slots if s >= 0]
+        try:
+            slots = _pick(self._index, keys)
+            hits = len(slots)
+        except KeyError:  # evicted since the match: slot -1, the workers fail the block
+            slots = tuple(map(self._index.get, keys, repeat(-1)))
+            hits = len(slots) - slots.count(-1)
+        # Slot -1 reads the last slot's tag: any tag >= 0 will do, workers never compare it.
+        tags = _pick(self._slot_tag, slots)
         self._policy.touch_many(keys)  # absent keys are ignored
-        self._counters["hit_blocks"] += len(hits)
+        self._counters["hit_blocks"] += hits
         job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None)
         self._pending_loads.append(job)
         self._loading[rid] = _Record(job, keys)
-        if hits:
-            self._pinning[rid] = tuple(hits)
+        self._pinning[rid] = slots  # -1 pins nothing
         self._asked.pop(rid, None)
 
     # -- placement --------------------------------------------------------------------------
@@ -677,7 +659,7 @@ class OffloadScheduler(SchedulerConnector):
     def _pinned_slots(self) -> set[int]:
         """Slots read by in-flight loads (computed when needed: pinning and unpinning a
         load are then one dict operation each, whatever its size)."""
-        return set().union(*self._pinning.values())
+        return set().union(*self._pinning.values()) - {-1}
 
     def _release_slot(self, slot: int) -> None:
         self._free.append(slot)
@@ -735,12 +717,15 @@ class OffloadScheduler(SchedulerConnector):
         bs = self._block_size
         tokens = request.all_token_ids
         hashes = request.block_hashes
-        runs: list[tuple[int, int]] = []
-        for i in record.positions:
-            if runs and runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
+        positions = record.positions  # increasing
+        runs = [(positions[0], positions[-1] + 1)]  # the usual case: one run
+        if positions[-1] - positions[0] != len(positions) - 1:
+            runs = []
+            for i in positions:
+                if runs and runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], i + 1)
+                else:
+                    runs.append((i, i + 1))
         events = []
         for first, last in runs:
             try:
@@ -797,41 +782,40 @@ class OffloadScheduler(SchedulerConnector):
         """Plan a store of the request's blocks at positions ``[start, full)`` that are
         neither stored nor being stored; True if one was planned."""
         rid = request.request_id
-        keys = request.block_hashes
         index, storing = self._index, self._storing
-        positions = [i for i in range(start, full)
-                     if keys[i] not in index and keys[i] not in storing]
-        new_keys = [keys[i] for i in positions]
-        if len(set(new_keys)) != len(new_keys):  # a block repeated inside the request
-            seen: set[bytes] = set()
-            unique = []
-            for i in positions:
-                if keys[i] not in seen:
-                    seen.add(keys[i])
-                    unique.append(i)
-            positions = unique
-            new_keys = [keys[i] for i in positions]
+        keys: Sequence[bytes] = request.block_hashes[start:full]
+        positions: Sequence[int] = range(start, full)
+        ids: Sequence[int] = block_ids[start:full]
+        new = set(keys)
+        if len(new) != len(keys) or not (storing.isdisjoint(new) and index.keys().isdisjoint(new)):
+            # some block repeated, being stored or stored: keep the first of the others
+            new = set()
+            kept = []
+            for i, key in zip(positions, keys):
+                if key not in index and key not in storing and key not in new:
+                    new.add(key)
+                    kept.append(i)
+            positions = kept
+            keys = [request.block_hashes[i] for i in positions]
+            ids = [block_ids[i] for i in positions]
         removed: list[bytes] = []
-        slots = self._take_slots(len(positions), new_keys, removed) if positions else []
+        slots = self._take_slots(len(keys), keys, removed) if keys else []
         if removed:
             self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
-        if len(slots) < len(positions):
-            self._counters["stores_skipped"] += len(positions) - len(slots)
-            del positions[len(slots):]
-            del new_keys[len(slots):]
-        if not positions:
+        n = len(slots)
+        if n < len(keys):
+            self._counters["stores_skipped"] += len(keys) - n
+        if not n:
             return False
         tag = self._next_tag
         self._next_tag += 1
-        job = TransferJob._build(
-            rid, tuple([block_ids[i] for i in positions]), tuple(slots), (tag,) * len(slots),
-            False, typed=None,
-        )
+        job = TransferJob._build(rid, tuple(ids[:n]), tuple(slots), (tag,) * n, False,
+                                 typed=None)
         self._pending_stores.append(job)
-        self._storing.update(new_keys)
-        record = _Record(job, tuple(new_keys), tuple(positions), request)
+        storing.update(new if n == len(keys) else keys[:n])
+        record = _Record(job, tuple(keys[:n]), positions[:n], request)
         self._saving.setdefault(rid, []).append(record)
-        self._counters["miss_blocks"] += len(positions)
+        self._counters["miss_blocks"] += n
         return True
 
     def _store_running(self, scheduler_output: SchedulerOutputView) -> None:
@@ -927,7 +911,10 @@ class OffloadScheduler(SchedulerConnector):
         for rid in sorted(output.finished_sending):
             for record in self._saving.pop(rid):
                 job = record.job
-                self._storing.difference_update(record.keys)
+                if len(self._storing) == len(record.keys):  # the only store in flight
+                    self._storing.clear()
+                else:
+                    self._storing.difference_update(record.keys)
                 if rid in failed_stores:  # never advertised, never matched: slots back
                     for slot in job.slots:
                         self._release_slot(slot)

@@ -360,13 +360,14 @@ class OffloadWorker(WorkerConnector):
             InvalidBlockIdError: a block id outside the budget (LAY-012).
             OffloadCapacityError: a slot outside the pool (ERR-002).
         """
-        if job.is_load and min(job.slots) < 0:
-            pool.plan(job.block_ids, [0] * len(job))  # still range-check every block id
+        if job.is_load and -1 in job.slots:
+            pool.plan(job.block_ids, [0] * len(job), checked=True)  # range-check every id
             keep = [i for i, s in enumerate(job.slots) if s >= 0]
             if not keep:
                 return None
-            return pool.plan([job.block_ids[i] for i in keep], [job.slots[i] for i in keep])
-        return pool.plan(job.block_ids, job.slots)
+            return pool.plan([job.block_ids[i] for i in keep], [job.slots[i] for i in keep],
+                             checked=True)
+        return pool.plan(job.block_ids, job.slots, checked=True)
 
     # -- transfers (background thread) ------------------------------------------------------
 
