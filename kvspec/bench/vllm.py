@@ -13,8 +13,9 @@ within each round, and medians are taken over rounds.
   same decode engine's time for a short prompt that gives the connector nothing to do is
   subtracted to give the connector's part (the transfer and the steps it costs).
 * **Offload hit**: one engine per arm, vLLM's ``ExampleConnector`` (files on local disk)
-  against ``KVSpecConnector`` with kvspec's offload backend. Each round uses fresh prompts:
-  pass 1 stores, pass 2 hits and is timed (time to first token), and the connector's part
+  against ``KVSpecConnector`` with kvspec's offload backend in its synchronous-load mode
+  (``SyncLoadOffloadConnector``, loads done in the step, as ExampleConnector's). Each round
+  uses fresh prompts: pass 1 stores, pass 2 hits and is timed (time to first token), and the connector's part
   is pass 2's time minus the short prompt's.
 
 Tokens are checked against an engine without any connector, and the tokens each connector
@@ -207,7 +208,9 @@ def _pd_specs(aa: bool) -> list[_PDSpec]:
 
 
 def _offload_specs(aa: bool, store: Path) -> list[tuple[str, dict[str, Any]]]:
-    ours = ("kvspec offload", {"factory": "kvspec.backends.offload:OffloadConnector",
+    # Synchronous loads, as ExampleConnector's: the hit is loaded in start_load_kv of the
+    # step that computes the request, with no step spent waiting for finished_recving.
+    ours = ("kvspec offload", {"factory": "kvspec.backends.offload:SyncLoadOffloadConnector",
                                "extra": {"offload_slots": 512}})
     if aa:
         return [("kvspec offload (A)", ours[1]), ours]

@@ -9,8 +9,11 @@ instead of deep inside a connector.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
+
+import attrs
 
 from kvspec.protocols import (
     AllocatedBlocks,
@@ -53,6 +56,23 @@ def request_status(status: object) -> RequestStatus:
 
 
 _NONE: dict[int, AllocatedBlocks] = {}
+_INT = frozenset({int})
+_STR = frozenset({str})
+
+_CACHED_FIELDS = ("request_id", "new_blocks", "num_computed_tokens", "new_token_ids",
+                  "resumed_from_preemption")
+if tuple(f.name for f in attrs.fields(CachedRequestView)) != _CACHED_FIELDS:  # pragma: no cover
+    raise ImportError("kvspec.vllm._translate builds CachedRequestView field by field; its "
+                      "fields changed: update _cached_views")
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _nonneg_ints(values: Iterable[Any]) -> bool:
+    """True when every value is an int (not a bool) >= 0: what the views' validators
+    accept, checked at C speed."""
+    values = tuple(values)
+    return set(map(type, values)) <= _INT and (not values or min(values) >= 0)
 
 
 def allocated_blocks(block_ids: Iterable[Iterable[int]] | None, groups: int) -> AllocatedBlocks:
@@ -142,18 +162,7 @@ class RequestCache:
                                    num_computed_tokens=data.num_computed_tokens)
             new.append(NewRequestView(last, AllocatedBlocks(data.block_ids),
                                       data.num_computed_tokens))
-        cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        tokens = cached.new_token_ids
-        olds = []
-        for i, rid in enumerate(cached.req_ids):
-            olds.append(CachedRequestView(
-                request_id=rid,
-                new_blocks=allocated_blocks(cached.new_block_ids[i], groups),
-                num_computed_tokens=cached.num_computed_tokens[i],
-                new_token_ids=tokens[i] if i < len(tokens) else (),
-                resumed_from_preemption=rid in resumed,
-            ))
+        olds = _cached_views(so.scheduled_cached_reqs, groups)
         return SchedulerOutputView(
             step_id=step_id,
             scheduled_new_reqs=new,
@@ -162,6 +171,50 @@ class RequestCache:
             finished_req_ids=so.finished_req_ids,
             preempted_req_ids=so.preempted_req_ids or (),
         )
+
+
+def _cached_views(cached: Any, groups: int) -> list[CachedRequestView]:
+    """vLLM's ``CachedRequestData`` as one ``CachedRequestView`` per running request.
+
+    The step's columns are checked at once, at C speed, for what the view's validators
+    check per request (ERR-002): ids non-empty ``str``, computed-token counts and new token
+    ids ints >= 0; new blocks go through ``allocated_blocks`` (ERR-003). The views are
+    then built without running those validators again, as ``KVConnectorOutput._trusted``
+    is. Columns that fail the bulk check take the view's own constructor, which raises
+    its typed error (or, for a malformed vLLM object, fails as vLLM's object does).
+    """
+    ids: Sequence[str] = cached.req_ids
+    n = len(ids)
+    tokens = cached.new_token_ids
+    computed = cached.num_computed_tokens
+    blocks = cached.new_block_ids
+    resumed = cached.resumed_req_ids
+    try:
+        toks: list[tuple[int, ...]] | None = [tuple(t) for t in tokens[:n]]
+    except TypeError:
+        toks = None
+    if toks is None or not (
+            len(computed) >= n and len(blocks) >= n and set(map(type, ids)) <= _STR
+            and all(ids) and _nonneg_ints(computed[:n])
+            and _nonneg_ints(chain.from_iterable(toks))):
+        return [CachedRequestView(  # the checking path: raises the typed error
+            request_id=rid, new_blocks=allocated_blocks(blocks[i], groups),
+            num_computed_tokens=computed[i], new_token_ids=tokens[i] if i < len(tokens) else (),
+            resumed_from_preemption=rid in resumed,
+        ) for i, rid in enumerate(ids)]
+    toks += [()] * (n - len(toks))  # vLLM sends new tokens only with pipeline parallelism
+    none = allocated_blocks(None, groups)
+    out = []
+    for rid, new_blocks, count, toks_i in zip(ids, blocks, computed, toks):
+        view = _new(CachedRequestView)
+        _set(view, "request_id", rid)
+        _set(view, "new_blocks", none if new_blocks is None else allocated_blocks(new_blocks,
+                                                                                  groups))
+        _set(view, "num_computed_tokens", count)
+        _set(view, "new_token_ids", toks_i)
+        _set(view, "resumed_from_preemption", rid in resumed)
+        out.append(view)
+    return out
 
 
 def output_from_vllm(

@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import attrs
 import msgspec
 import pytest
 import torch
@@ -25,7 +26,9 @@ from kvspec.backends.offload import (
     OffloadConnector,
     OffloadMetadata,
     OffloadScheduler,
+    OffloadSettings,
     OffloadWorker,
+    SyncLoadOffloadConnector,
     TransferJob,
     make_policy,
 )
@@ -49,6 +52,7 @@ from kvspec.protocols import (
     SchedulerOutputView,
     StrideOrder,
     TransferRole,
+    UnknownRequestError,
 )
 
 BS = 4
@@ -688,13 +692,17 @@ def test_factory_declares_the_capabilities() -> None:
 # --------------------------------------------------------------------------- conformance
 
 
-def test_conformance_scenarios_and_async_scheduling() -> None:
+@pytest.mark.parametrize(("factory", "tests"), [
+    ("OffloadConnector", "test_scenario or test_async_scheduling"),
+    # sync loads: the scenarios and a hit whose every load fails (WRK-011, invalid blocks)
+    ("SyncLoadOffloadConnector", "(test_scenario and not prefix) or test_failed_loads_are"),
+])
+def test_conformance_scenarios_and_async_scheduling(factory: str, tests: str) -> None:
     from kvspec.conformance import run_conformance
 
     result = run_conformance(
-        ["kvspec.backends.offload:OffloadConnector"],
-        extra_pytest_args=["-q", "-p", "no:cacheprovider", "-k",
-                           "test_scenario or test_async_scheduling"],
+        [f"kvspec.backends.offload:{factory}"],
+        extra_pytest_args=["-q", "-p", "no:cacheprovider", "-k", tests],
     )
     assert result.exit_code == 0
     assert result.passed > 0 and result.failed == 0
@@ -908,3 +916,119 @@ def test_matches_never_count_evicted_or_failed_blocks() -> None:
     again = _request("again", list(range(50, 59)))
     sched.on_new_request(again)
     assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+
+
+# ---------------------------------------------------------------------------- sync loads
+
+
+def test_sync_loads_setting_is_a_bool() -> None:
+    assert not OffloadSettings.from_config(_config()).sync_loads
+    assert OffloadSettings.from_config(_config(sync_loads=True)).sync_loads
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidArgumentError, match="sync_loads"):
+            OffloadSettings.from_config(_config(sync_loads=bad))
+
+
+def test_sync_load_scheduler_matches_synchronously_and_unpins_once_sent() -> None:
+    """sync_loads: the match is (n, False) (SCH-004); the load goes out in the next
+    metadata and its slots are free to evict once it is sent; the request is never
+    awaited in finished_recving (SCH-028), and a block named invalid is dropped (WRK-011)."""
+    sched = OffloadScheduler(_config(offload_slots=2, sync_loads=True))
+    prompt = list(range(9))
+    a = _request("a", prompt, computed=9)
+    sched.on_new_request(a)
+    sched.request_finished(a, (3, 4, 5))
+    _meta(sched)
+    _finish_store(sched, "a")
+    b = _request("b", prompt)
+    sched.on_new_request(b)
+    assert sched.get_num_new_matched_tokens(b, 0) == (8, False)
+    sched.update_state_after_alloc(b, AllocatedBlocks.single((7, 8, 9)), 8)
+    assert sched.stats()["pinned_slots"] == 2  # until the metadata is built
+    (load,) = _meta(sched).loads
+    assert (load.block_ids, load.is_load) == ((7, 8), True)
+    assert sched.stats()["pinned_slots"] == 0
+    assert sched.request_finished(b, (7, 8, 9)) == (False, None)  # no load to abort
+    assert _meta(sched).aborted_loads == ()
+    with pytest.raises(UnknownRequestError):
+        sched.update_connector_output(KVConnectorOutput(finished_recving=frozenset({"b"})))
+    sched.take_events()
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=frozenset({8})))
+    removed = [e for e in sched.take_events() if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1 and len(removed[0].block_hashes) == 1
+    assert sched.stats()["load_failures"] == 1
+    c = _request("c", prompt)
+    sched.on_new_request(c)
+    assert sched.get_num_new_matched_tokens(c, 0) == (4, False)  # only the first block left
+
+
+def _sync_step(worker: OffloadWorker, meta: OffloadMetadata) -> None:
+    worker.bind_connector_metadata(OffloadMetadata.decode(meta.encode()))
+    worker.start_load_kv(ForwardContextView(ForwardKind.REAL, 0, 4, ("l0", "l1", "l2")))
+
+
+def test_sync_load_is_done_when_start_load_kv_returns_and_never_reported() -> None:
+    """sync_loads: start_load_kv loads on the calling thread, byte-exact, even with the
+    background thread taken (WRK-004, WRK-013); nothing is reported in finished_recving."""
+    worker, layout, layers = _registered(offload_slots=4, sync_loads=True)
+    release = threading.Event()
+    try:
+        _run(worker, OffloadMetadata(stores=(
+            TransferJob.of("s", ((1, 0, 1), (5, 1, 1)), False),)))
+        _wait_finished(worker, "s", recv=False)
+        want = [_block_bytes(layout, layers, b) for b in (1, 5)]
+        assert worker._executor is not None
+        busy = worker._executor.submit(release.wait, 10)  # the thread is taken
+        _sync_step(worker, OffloadMetadata(loads=(
+            TransferJob.of("l", ((6, 0, 1), (2, 1, 1)), True),)))
+        assert [_block_bytes(layout, layers, b) for b in (6, 2)] == want
+        worker.wait_for_save()
+        assert worker.get_finished(frozenset()) == (frozenset(), frozenset())
+        worker.clear_connector_metadata()
+        assert worker.get_failed_recving() == frozenset()
+        assert worker.get_block_ids_with_load_errors() == frozenset()
+        stats = worker.get_kv_connector_stats()
+        assert stats is not None and stats.counters["blocks_loaded"] == 2  # type: ignore[attr-defined]
+        release.set()
+        busy.result(timeout=10)
+    finally:
+        release.set()
+        worker.shutdown()
+
+
+def test_failed_sync_load_blocks_are_invalid_in_the_same_step() -> None:
+    """sync_loads: a block whose slot holds other data (or none, slot -1) is named in the
+    step's invalid block ids, and the request in neither finished_recving nor
+    failed_recving (WRK-011); the good block loads."""
+    worker, layout, layers = _registered(offload_slots=4, sync_loads=True)
+    try:
+        _run(worker, OffloadMetadata(stores=(
+            TransferJob.of("s", ((1, 0, 1), (5, 1, 4)), False),)))
+        _wait_finished(worker, "s", recv=False)
+        want = _block_bytes(layout, layers, 5)
+        _sync_step(worker, OffloadMetadata(loads=(
+            TransferJob.of("l", ((2, 0, 2), (3, -1, 3), (4, 1, 4)), True),)))
+        assert _block_bytes(layout, layers, 4) == want
+        assert worker.get_finished(frozenset()) == (frozenset(), frozenset())
+        worker.clear_connector_metadata()
+        assert worker.get_failed_recving() == frozenset()
+        assert worker.get_block_ids_with_load_errors() == {2, 3}
+        worker.get_finished(frozenset())
+        assert worker.get_block_ids_with_load_errors() == frozenset()  # reported once
+    finally:
+        worker.shutdown()
+
+
+def test_sync_load_factory_declares_sync_loads_and_builds_sync_roles() -> None:
+    factory = SyncLoadOffloadConnector()
+    assert factory.name == "offload-sync"
+    assert not factory.capabilities.async_loads
+    assert attrs.evolve(factory.capabilities, async_loads=True) == OffloadConnector().capabilities
+    sched = factory.create_scheduler(_config(offload_slots=2))
+    worker = factory.create_worker(_config(offload_slots=2), 0)
+    try:
+        assert isinstance(sched, OffloadScheduler) and isinstance(worker, OffloadWorker)
+        assert sched._settings.sync_loads and worker._settings.sync_loads
+    finally:
+        worker.shutdown()
+        sched.shutdown()

@@ -113,6 +113,36 @@ def test_scheduler_output_translates_new_and_cached_requests() -> None:
     assert view.preempted_req_ids == frozenset({"gone"})
 
 
+def test_running_requests_translate_like_the_views_constructor_and_fail_typed() -> None:
+    """The bulk-checked path of the running requests builds exactly the views the
+    checking constructor builds; a bad column raises the constructor's typed error."""
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    from kvspec.protocols import AllocatedBlocks, CachedRequestView, InvalidBlockIdError
+    from kvspec.vllm._translate import _cached_views
+
+    def data(**over: Any) -> Any:
+        cols: dict[str, Any] = dict(
+            req_ids=["a", "b", "c"], resumed_req_ids={"b"}, new_token_ids=[[9], [], [1, 2]],
+            all_token_ids={}, new_block_ids=[None, ([7, 8],), ([],)],
+            num_computed_tokens=[40, 0, 3], num_output_tokens=[1, 1, 1])
+        return CachedRequestData(**{**cols, **over})
+
+    want = [CachedRequestView("a", AllocatedBlocks(((),)), 40, (9,), False),
+            CachedRequestView("b", AllocatedBlocks(((7, 8),)), 0, (), True),
+            CachedRequestView("c", AllocatedBlocks(((),)), 3, (1, 2), False)]
+    assert _cached_views(data(), 1) == want
+    no_tokens = _cached_views(data(new_token_ids=[]), 1)  # vLLM without PP sends none
+    assert [v.new_token_ids for v in no_tokens] == [(), (), ()]
+    for bad in (dict(req_ids=["a", "", "c"]), dict(num_computed_tokens=[40, -1, 3]),
+                dict(num_computed_tokens=[40, True, 3]), dict(new_token_ids=[[9], [-2], []]),
+                dict(new_token_ids=[[9], [1.0], []]), dict(new_token_ids=[[9], 5, []])):
+        with pytest.raises(InvalidArgumentError):
+            _cached_views(data(**bad), 1)
+    with pytest.raises(InvalidBlockIdError):
+        _cached_views(data(new_block_ids=[None, ([-1],), None]), 1)
+
+
 def test_outputs_translate_with_failed_receives() -> None:
     from vllm.v1.outputs import KVConnectorOutput
 

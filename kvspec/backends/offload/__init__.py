@@ -16,7 +16,10 @@ The reference offloading connector (``kvspec.backends.offload:OffloadConnector``
 
 Configuration: ``OffloadSettings`` (``config.extra``: ``offload_bytes``,
 ``offload_slots``, ``eviction``, ``io_timeout_s``, ``load_delay_s``, ``load_fault_rate``,
-``fault_seed``, ``offload_stage_blocks``, ``offload_store``).
+``fault_seed``, ``offload_stage_blocks``, ``offload_store``, ``sync_loads``).
+``SyncLoadOffloadConnector`` (name ``"offload-sync"``) is the backend with ``sync_loads``:
+each load is done in the step's ``start_load_kv``, before the forward (WRK-004), and never
+reported in ``finished_recving``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ._scheduler import (
     TransferJob,
 )
 from ._worker import OffloadWorker
-from .connector import LayerwiseOffloadConnector, OffloadConnector
+from .connector import LayerwiseOffloadConnector, OffloadConnector, SyncLoadOffloadConnector
 
 __all__ = [
     "ARCPolicy",
@@ -48,6 +51,7 @@ __all__ = [
     "OffloadScheduler",
     "OffloadSettings",
     "OffloadWorker",
+    "SyncLoadOffloadConnector",
     "TransferJob",
     "make_policy",
 ]

@@ -109,6 +109,11 @@ class OffloadSettings:
             stored in the step after the one that computed them, while it runs (the rest
             when it finishes); ``"finished"``: every block is stored when the request
             finishes. ``extra["offload_store"]``.
+        sync_loads: False (default): loads are asynchronous, matched ``(n, True)`` and
+            reported in ``finished_recving`` (SCH-009, SCH-023); True: matched
+            ``(n, False)`` and done by ``start_load_kv`` before the forward reads the KV
+            (WRK-004), never reported, a failed block only named invalid (WRK-011,
+            SCH-024). A hit then costs no extra engine step. ``extra["sync_loads"]``.
     """
 
     offload_bytes: int = 64 << 20
@@ -120,6 +125,7 @@ class OffloadSettings:
     fault_seed: int = 0
     stage_blocks: int = 32
     store_when: str = "computed"
+    sync_loads: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> OffloadSettings:
@@ -146,6 +152,12 @@ class OffloadSettings:
                 f"config.extra['offload_store'] is {store_when!r}; expected 'computed' or "
                 "'finished'", clause="ERR-002",
             )
+        sync_loads = extra.get("sync_loads", False)
+        if not isinstance(sync_loads, bool):
+            raise InvalidArgumentError(
+                f"config.extra['sync_loads'] is {sync_loads!r}; expected a bool",
+                clause="ERR-002",
+            )
         seed = extra.get("fault_seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError(
@@ -161,6 +173,7 @@ class OffloadSettings:
             fault_seed=seed,
             stage_blocks=_int(extra, "offload_stage_blocks", 32),
             store_when=str(store_when),
+            sync_loads=sync_loads,
         )
 
 
@@ -506,6 +519,11 @@ class OffloadScheduler(SchedulerConnector):
     stored and ``BlockStored``
     events are queued (EVT-004, EVT-005). Evictions and failed loads queue ``BlockRemoved``.
 
+    With ``sync_loads`` the match is ``(n, False)``: the load goes to the workers in the
+    next metadata and is done before that step's forward, so its slots are unpinned once
+    the metadata is built (the workers finish it before any later store starts); blocks of
+    a failed one come back in ``invalid_block_ids`` only, and are dropped as above.
+
     Each store job carries a fresh tag that the workers record per slot; a load carries the
     tag it expects, so a slot whose content changed fails instead of loading wrong bytes.
     Per-block work is a handful of C-level container operations: planning a 256-block
@@ -534,6 +552,7 @@ class OffloadScheduler(SchedulerConnector):
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
         self._pending_aborts: list[str] = []
+        self._sync_loaded: dict[int, tuple[bytes, int]] = {}  # block id -> last sync load
         self._events: list[KVCacheEvent | _Record] = []  # stores: events built on take
         self._counters: Counter[str] = Counter()
 
@@ -581,16 +600,17 @@ class OffloadScheduler(SchedulerConnector):
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Return ``(n, n > 0)``: tokens of stored blocks after the computed ones (SCH-001,
-        SCH-004, SCH-005, SCH-007, SCH-020). Reads only the stored index; remembers
-        ``num_computed_tokens`` as where a following allocation's external tokens start."""
+        """Return ``(n, n > 0)``, or ``(n, False)`` with ``sync_loads``: tokens of stored
+        blocks after the computed ones (SCH-001, SCH-004, SCH-005, SCH-007, SCH-020). Reads
+        only the stored index; remembers ``num_computed_tokens`` as where a following
+        allocation's external tokens start."""
         check_request(request)
         check_count("num_computed_tokens", num_computed_tokens)
         count = self._match(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
         self._counters["lookups"] += 1
-        return count, count > 0
+        return count, count > 0 and not self._settings.sync_loads
 
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
@@ -650,9 +670,12 @@ class OffloadScheduler(SchedulerConnector):
         self._counters["hit_blocks"] += hits
         job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None)
         self._pending_loads.append(job)
-        self._loading[rid] = _Record(job, keys)
         self._pinning[rid] = slots  # -1 pins nothing
         self._asked.pop(rid, None)
+        if self._settings.sync_loads:  # never reported: its failed blocks name their keys
+            self._sync_loaded.update(zip(job.block_ids, zip(keys, slots)))
+        else:
+            self._loading[rid] = _Record(job, keys)
 
     # -- placement --------------------------------------------------------------------------
 
@@ -863,6 +886,9 @@ class OffloadScheduler(SchedulerConnector):
             loads=tuple(self._pending_loads), stores=tuple(self._pending_stores),
             aborted_loads=tuple(self._pending_aborts),
         )
+        if self._settings.sync_loads:  # done in this step, before any later store runs
+            for job in self._pending_loads:
+                self._unpin(job.request_id)
         self._pending_loads.clear()
         self._pending_stores.clear()
         self._pending_aborts.clear()
@@ -873,7 +899,9 @@ class OffloadScheduler(SchedulerConnector):
         those a rank reported failed (``FailedStores``: their slots are freed and
         nothing is advertised), and
         unpin the loads in ``finished_recving``, dropping the blocks of failed loads named in
-        ``invalid_block_ids`` (all of the load's blocks if none is named).
+        ``invalid_block_ids`` (all of the load's blocks if none is named). With
+        ``sync_loads``, invalid blocks of the synchronous loads drop their stored blocks
+        the same way (WRK-011, SCH-024).
 
         Raises:
             UnknownRequestError: the output reports a transfer this role is not waiting
@@ -903,6 +931,13 @@ class OffloadScheduler(SchedulerConnector):
                         self._drop(key, evicted=False)
                         removed.append(key)
             self._unpin(rid)
+        for block in output.invalid_block_ids if self._sync_loaded else ():  # sync loads
+            key, slot = self._sync_loaded.pop(block, (b"", -1))
+            if slot >= 0:
+                self._counters["load_failures"] += 1
+                if self._index.get(key) == slot:
+                    self._drop(key, evicted=False)
+                    removed.append(key)
         if removed:
             self._events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
         insert_many = self._policy.insert_many
@@ -945,6 +980,6 @@ class OffloadScheduler(SchedulerConnector):
         for state in (
             self._known, self._asked, self._loading, self._saving, self._storing, self._running,
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
-            self._index, self._pinning, self._zombies,
+            self._index, self._pinning, self._zombies, self._sync_loaded,
         ):
             state.clear()

@@ -12,6 +12,12 @@ successful store; a load whose slot holds another tag (evicted, overwritten, a f
 store) or an injected fault fails its blocks: the request is reported in
 ``finished_recving`` and ``failed_recving`` with those block ids invalid (WRK-011).
 
+With ``sync_loads`` (``OffloadSettings``), loads are not handed to the thread:
+``start_load_kv`` runs them on the engine's thread, before the forward reads the KV
+(WRK-004), and before it submits the step's stores. They are never reported in
+``finished_recving``; the blocks of a failed one are named in the invalid block ids of
+the step's ``get_finished`` (WRK-011, SCH-024).
+
 A copy still running at its deadline (``io_timeout_s``: a stuck device, a hung driver) is
 never waited for: its request is reported at once, a load as failed with every block
 invalid, a store as failed (its slots stay invalid, the scheduler role never advertises
@@ -123,6 +129,7 @@ class OffloadWorker(WorkerConnector):
         self._failed: frozenset[str] = frozenset()
         self._failed_stores: set[str] = set()
         self._invalid: frozenset[int] = frozenset()
+        self._sync_invalid: set[int] = set()  # failed blocks of sync loads, not yet reported
         self._stats_lock = threading.Lock()
         self._counters: dict[str, int] = {}
         self._rng = random.Random(self._settings.fault_seed * 1_000_003 + rank)
@@ -223,7 +230,8 @@ class OffloadWorker(WorkerConnector):
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
         """Submit the bound metadata's loads, then its stores, to the background thread
-        (WRK-004). Dummy forwards move nothing (DRY-006).
+        (WRK-004); with ``sync_loads``, do the loads first, complete on return. Dummy
+        forwards move nothing (DRY-006).
 
         Raises:
             MetadataNotBoundError: no metadata is bound (DRY-001).
@@ -283,8 +291,9 @@ class OffloadWorker(WorkerConnector):
         return {} if self._stage is None else self._stage.buffers
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads complete before their requests are scheduled (they
-        are asynchronous, WRK-005). Capturable: no device work at all."""
+        """Nothing to wait for: asynchronous loads complete before their requests are
+        scheduled, synchronous ones in ``start_load_kv`` (WRK-005). Capturable: no device
+        work at all."""
         self._slot.get("wait_for_layer_load")
 
     def save_kv_layer(
@@ -327,8 +336,11 @@ class OffloadWorker(WorkerConnector):
             event.record()  # the forward's KV writes so far
         timeout = self._settings.io_timeout_s
         wedged = self._wedged()
-        for job, plan in zip((*meta.loads, *meta.stores), plans):
+        for job, plan in zip((*meta.loads, *meta.stores), plans):  # loads first
             j = _Job(job, plan, timeout)
+            if job.is_load and self._settings.sync_loads:  # here, now: never reported
+                self._sync_invalid.update(self._run(j, event))
+                continue
             if wedged is not None:  # queued behind a stuck copy it would only time out
                 self._failed_job(job)
                 j.future = concurrent.futures.Future()
@@ -555,6 +567,9 @@ class OffloadWorker(WorkerConnector):
             if bad:
                 failed.add(rid)
                 invalid.update(bad)
+        if self._sync_invalid:  # failed sync loads: invalid blocks only (WRK-011)
+            invalid.update(self._sync_invalid)
+            self._sync_invalid.clear()
         # A request's stores (those planned while it ran and the last one) are reported
         # together, once it finished (WRK-010) and all of them ended.
         self._finishing.update(r for r in finished_req_ids if r in self._stores)
@@ -730,6 +745,7 @@ class OffloadWorker(WorkerConnector):
                            "behind as a daemon thread", self._rank, runner.thread.name,
                            "copy of request " + stuck.job.request_id if stuck else "a copy")
         self._loads.clear()
+        self._sync_invalid.clear()
         self._stores.clear()
         self._finishing.clear()
         self._store_failed.clear()

@@ -2,7 +2,8 @@
 
 Declares asynchronous loads, delayed free, no per-layer hooks (GRA-001: safe under FULL
 graphs, DRY-003), failed loads reported as invalid blocks (WRK-011), every stride order
-and both K/V packings (LAY-010).
+and both K/V packings (LAY-010). ``SyncLoadOffloadConnector`` loads synchronously instead
+(``sync_loads``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvspec.protocols import (
 from ._scheduler import OffloadScheduler
 from ._worker import OffloadWorker
 
-__all__ = ["LayerwiseOffloadConnector", "OffloadConnector"]
+__all__ = ["LayerwiseOffloadConnector", "OffloadConnector", "SyncLoadOffloadConnector"]
 
 
 class OffloadConnector(ConnectorFactory):
@@ -90,3 +91,36 @@ class LayerwiseOffloadConnector(OffloadConnector):
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
         """Build the worker role of ``rank`` with ``store_path="layerwise"``."""
         return self.worker_class(config, rank, store_path="layerwise")
+
+
+class SyncLoadOffloadConnector(OffloadConnector):
+    """The offloading backend with synchronous loads (name ``"offload-sync"``): both roles
+    run with ``config.extra["sync_loads"] = True`` (``OffloadSettings``). A match is
+    ``(n, False)`` and its load is done by ``start_load_kv``, before the step's forward
+    reads the KV (WRK-004), and never reported in ``finished_recving``; failed blocks are
+    named invalid (WRK-011). A hit then costs the engine no step of waiting for the load.
+    Declares no async loads; everything else as ``OffloadConnector``."""
+
+    @property
+    def name(self) -> str:
+        """``"offload-sync"``."""
+        return "offload-sync"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """As ``OffloadConnector``, without async loads."""
+        return attrs.evolve(super().capabilities, async_loads=False)
+
+    @staticmethod
+    def _sync(config: EngineConfigView) -> EngineConfigView:
+        if isinstance(config, EngineConfigView):  # else the roles refuse it (ERR-002)
+            config = attrs.evolve(config, extra={**config.extra, "sync_loads": True})
+        return config
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """Build the scheduler role with ``sync_loads``."""
+        return super().create_scheduler(self._sync(config))
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """Build the worker role of ``rank`` with ``sync_loads``."""
+        return super().create_worker(self._sync(config), rank)

@@ -781,6 +781,11 @@ class Engine:
                 else:
                     r.num_computed = min(r.num_computed, first)
                     r.executed = min(r.executed, first)
+                    start, end = r.ext  # its load's tokens from ``first`` on: recomputed
+                    kept = max(start, min(end, first))
+                    if kept < end:  # a failed synchronous load: not counted as loaded
+                        self._external[r.rid] -= end - kept
+                        r.ext = (start, kept)
 
     def _cache_computed(self, r: _Req) -> None:
         full = min(r.executed, len(r.tokens)) // self.config.block_size

@@ -68,9 +68,9 @@ class TestFaults(ConformanceSuite):
         if not any(hit.matched_tokens.values()):
             pytest.skip("the connector offered no tokens on the hit pass: nothing could fail")
         self._check_nothing_loaded(
-            hit, "with every load made to fail", "each failed load reported in "
-            "finished_recving and failed_recving, its blocks in invalid_block_ids, so the "
-            "engine recomputes them")
+            hit, "with every load made to fail", "each failed load's blocks in "
+            "invalid_block_ids (an asynchronous one also reported in finished_recving and "
+            "failed_recving), so the engine recomputes them")
 
     @pytest.mark.kvspec_clause("WRK-011", "ERR-008", "SCH-016")
     @pytest.mark.kvspec_requires("fault_injection")
