@@ -37,7 +37,7 @@ CLAUSE = re.compile(r"\b([A-Z]{3}-\d{3})\b")
 
 
 def _size_mb(path: Path) -> int:
-    out = subprocess.run(["du", "-sm", str(path)], capture_output=True, text=True, check=False)
+    out = subprocess.run(["du", "-smD", str(path)], capture_output=True, text=True, check=False)
     return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout else 0
 
 

@@ -32,7 +32,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import NoReturn, Protocol, Union, runtime_checkable
+from typing import NoReturn, Protocol, Union, cast, runtime_checkable
 
 import attrs
 from typing_extensions import Self, TypeAlias
@@ -436,13 +436,14 @@ def _invalid_block_ids(value: Iterable[int]) -> frozenset[int]:
 def _aggregatable(value: object, what: str, clause: str) -> SupportsAggregate | None:
     if value is None:
         return None
-    if isinstance(value, type) or not isinstance(value, SupportsAggregate):
+    # What isinstance(value, SupportsAggregate) checks, without the Protocol's slow path.
+    if isinstance(value, type) or not callable(getattr(value, "aggregate", None)):
         raise InvalidArgumentError(
             f"{what} is {_type_name(value)}, which has no aggregate() method; expected "
             "None or a value satisfying SupportsAggregate",
             clause=clause,
         )
-    return value
+    return cast(SupportsAggregate, value)
 
 
 def _stats(value: SupportsAggregate | None) -> SupportsAggregate | None:

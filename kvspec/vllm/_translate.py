@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
+from operator import ne
 from typing import Any
 
 import attrs
@@ -96,6 +97,15 @@ class RequestCache:
 
     def __init__(self) -> None:
         self._views: dict[str, tuple[tuple[Any, ...], RequestView]] = {}
+        self._blocks: dict[str, AllocatedBlocks] = {}  # the last allocation, until built
+
+    def blocks(self, request_id: str, block_ids: Iterable[Iterable[int]] | None,
+               groups: int) -> AllocatedBlocks:
+        """``allocated_blocks``, remembered for the request until the step's scheduler
+        output names the same blocks (``scheduler_output`` then checks them no more)."""
+        alloc = allocated_blocks(block_ids, groups)
+        self._blocks[request_id] = alloc
+        return alloc
 
     def view(self, request: Any) -> RequestView:
         """The view of a vLLM ``Request`` now.
@@ -145,6 +155,7 @@ class RequestCache:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's view."""
         self._views.pop(request_id, None)
+        self._blocks.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._views)
@@ -160,8 +171,12 @@ class RequestCache:
             if last is None:
                 last = RequestView(request_id=rid, prompt_token_ids=data.prompt_token_ids or (),
                                    num_computed_tokens=data.num_computed_tokens)
-            new.append(NewRequestView(last, AllocatedBlocks(data.block_ids),
-                                      data.num_computed_tokens))
+            ids = data.block_ids
+            alloc = self._blocks.pop(rid, None)  # checked at allocation: the same blocks?
+            if alloc is None or len(alloc.groups) != len(ids) or any(
+                    map(ne, alloc.groups, map(tuple, ids))):
+                alloc = AllocatedBlocks(ids)
+            new.append(NewRequestView(last, alloc, data.num_computed_tokens))
         olds = _cached_views(so.scheduled_cached_reqs, groups)
         return SchedulerOutputView(
             step_id=step_id,

@@ -45,7 +45,7 @@ def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
 
     from kvspec.protocols import ConnectorStats, ForwardContextView, ForwardKind, HandshakeMetadata
 
-    from ._translate import RequestCache, allocated_blocks, output_from_vllm
+    from ._translate import RequestCache, output_from_vllm
     from ._wire import StatsWire, StepWire, WorkerMetaWire, metadata_type
 
     tokens = blocks * block_size
@@ -88,10 +88,13 @@ def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
         cache.view(big)
         return cache.view(big)
 
-    def alloc() -> object:
-        return allocated_blocks(kv_blocks.get_block_ids(), 1)
+    def alloc() -> object:  # update_state_after_alloc: checked and remembered
+        return cache.blocks("big", kv_blocks.get_block_ids(), 1)
 
-    def sched_out() -> object:
+    remembered = cache.blocks("big", kv_blocks.get_block_ids(), 1)
+
+    def sched_out() -> object:  # build_connector_meta, after that allocation
+        cache._blocks["big"] = remembered  # what alloc() left, which each build consumes
         return cache.scheduler_output(so, 1, 1)
 
     payload = bytes(24 * blocks)  # a connector's encoded metadata: ~3 int64 per block

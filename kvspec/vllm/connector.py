@@ -46,7 +46,7 @@ from kvspec.protocols import (
 from ._layout import describe_kv_caches, required_layout_name
 from ._releases import RELEASES, release
 from ._settings import engine_config_view, factory_from_extra
-from ._translate import RequestCache, allocated_blocks, output_from_vllm, plain
+from ._translate import RequestCache, output_from_vllm, plain
 from ._wire import HandshakeWire, StatsWire, StepWire, WorkerMetaWire, metadata_type, \
     to_vllm_events
 
@@ -431,7 +431,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The blocks vLLM allocated for the request (SCH-008..010)."""
         t0 = time.perf_counter_ns()
         view = self._requests.view(request)
-        alloc = allocated_blocks(blocks.get_block_ids(), self._groups)
+        alloc = self._requests.blocks(view.request_id, blocks.get_block_ids(), self._groups)
         self._tick(t0)
         self._sched().update_state_after_alloc(view, alloc, num_external_tokens)
 
