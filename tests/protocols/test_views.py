@@ -323,6 +323,8 @@ def test_scheduler_output_copies_token_counts() -> None:
          "schedules a request twice"),
         ({"scheduled_new_reqs": [_new("a")], "scheduled_cached_reqs": [CachedRequestView("a")],
           "num_scheduled_tokens": {"a": 1}}, "schedules a request twice"),
+        ({"scheduled_new_reqs": [_new("a"), _new("a")],  # as many counts as requests
+          "num_scheduled_tokens": {"a": 1, "b": 1}}, "schedules a request twice"),
         ({"scheduled_new_reqs": [_new("a")], "num_scheduled_tokens": {}},
          "num_scheduled_tokens names [] but the step schedules ['a']"),
         ({"num_scheduled_tokens": {"ghost": 1}},

@@ -113,6 +113,36 @@ def test_scheduler_output_translates_new_and_cached_requests() -> None:
     assert view.preempted_req_ids == frozenset({"gone"})
 
 
+def test_blocks_checked_at_allocation_are_reused_only_when_the_step_names_the_same() -> None:
+    """ERR-003: the step's scheduler output reuses the allocation's checked blocks only
+    when they are equal; other blocks are checked again, and a negative id still fails."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    from kvspec.protocols import InvalidBlockIdError
+
+    cache = RequestCache()
+    req = _request()
+    cache.view(req)
+    alloc = cache.blocks("r1", ([3, 4, 5],), 1)
+
+    def step(block_ids: tuple[list[int], ...]) -> Any:
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [NewRequestData.from_request(req, block_ids)]
+        so.num_scheduled_tokens = {"r1": 70}
+        return cache.scheduler_output(so, 1, 1).scheduled_new_reqs[0].blocks
+
+    assert step(([3, 4, 5],)) is alloc  # the same blocks: not checked twice
+    cache.blocks("r1", ([3, 4, 5],), 1)
+    other = step(([3, 4, 6],))
+    assert other is not alloc and other.block_ids(0) == (3, 4, 6)
+    cache.blocks("r1", ([3, 4, 5],), 1)
+    with pytest.raises(InvalidBlockIdError):
+        step(([3, -4, 5],))
+    cache.blocks("r1", ([1],), 1)
+    cache.forget("r1")
+    assert cache._blocks == {}  # nothing kept for a finished request
+
+
 def test_running_requests_translate_like_the_views_constructor_and_fail_typed() -> None:
     """The bulk-checked path of the running requests builds exactly the views the
     checking constructor builds; a bad column raises the constructor's typed error."""
