@@ -955,11 +955,14 @@ class OffloadScheduler(SchedulerConnector):
                         self._release_slot(slot)
                     self._counters["store_failures"] += len(job)
                     continue
-                tag = job.tags[0]
-                self._index.update(zip(record.keys, job.slots))
-                slot_tag = self._slot_tag
-                for slot in job.slots:
-                    slot_tag[slot] = tag
+                tag, slots = job.tags[0], job.slots
+                self._index.update(zip(record.keys, slots))
+                first, n = slots[0], len(slots)
+                if slots[-1] == first + n - 1 and slots == tuple(range(first, first + n)):
+                    self._slot_tag[first:first + n] = (tag,) * n  # one run: at C speed
+                else:
+                    for slot in slots:
+                        self._slot_tag[slot] = tag
                 insert_many(record.keys)
                 self._events.append(record)  # its BlockStored events, built by take_events
 
