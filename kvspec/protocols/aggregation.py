@@ -183,7 +183,12 @@ class StandardAggregator:
         ids = (cast("Sequence[str]", request_ids) if type(request_ids) in _INDEXED
                else tuple(request_ids))
         d = 0 if direction is _SEND else 1 if direction is _RECV else _index(direction)
-        if not _STR.issuperset(map(type, ids)) or "" in ids:  # the fast check, then why
+        try:
+            "".join(ids)  # the fast check that every id is a str (a TypeError otherwise)
+            bad_ids = "" in ids
+        except TypeError:
+            bad_ids = True
+        if bad_ids:  # then why
             for bad in ids:
                 if not isinstance(bad, str) or not bad:
                     raise InvalidArgumentError(
@@ -191,23 +196,30 @@ class StandardAggregator:
                         clause="EXE-011",
                     )
         left, full = self._left[d], self._full
-        for i, request_id in enumerate(ids):  # faster than a set operation for a few ids
-            if request_id in left:
-                self._registered(ids, i, left, direction)
+        before = len(left)
+        for request_id in ids:  # faster than a set operation for a few ids
+            if request_id in left:  # ids[:i] are new and distinct, i = len(left) - before
+                self._registered(ids, len(left) - before, left, full, direction)
+                break
             left[request_id] = full
         if self._default_count != self._world_size:
             self._counts[d].update(dict.fromkeys(ids, self._default_count))
 
     @staticmethod
-    def _registered(ids: Sequence[str], i: int, left: dict[str, int],
+    def _registered(ids: Sequence[str], i: int, left: dict[str, int], full: int,
                     direction: Direction) -> None:
-        """``expect_many`` met ``ids[i]`` awaited already: the same id earlier in ``ids``
-        is no error; otherwise undo ``ids[:i]`` (none was awaited before) and raise."""
-        if ids[i] in ids[:i]:
-            return
-        for request_id in ids[:i]:
-            left.pop(request_id, None)
-        _raise_again(ids[i], direction)
+        """``expect_many`` met ``ids[i]`` awaited already, having registered ``ids[:i]``
+        (new and distinct): register the rest, where an id earlier in ``ids`` is no error
+        and any other awaited one undoes the call and raises."""
+        for j in range(i, len(ids)):
+            request_id = ids[j]
+            if request_id in left:
+                if request_id in ids[:j]:
+                    continue
+                for new in ids[:j]:
+                    left.pop(new, None)
+                _raise_again(request_id, direction)
+            left[request_id] = full
 
     def aggregate(self, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
         """Combine one step's outputs, one per rank (index = rank), into one.
@@ -281,24 +293,24 @@ class StandardAggregator:
             for bit, out in zip(self._bits, outputs):
                 d = 0
                 for request_id in out.finished_sending:
-                    mask = left_s[request_id] ^ bit
-                    if mask & bit:  # the bit was clear: this rank reported it already
-                        raise _Double
-                    if mask:
-                        left_s[request_id] = mask
-                    else:
+                    mask = left_s[request_id]
+                    if mask == bit:  # the last rank it awaited: complete
                         del left_s[request_id]
                         add_s(request_id)
+                    elif mask & bit:
+                        left_s[request_id] = mask ^ bit
+                    else:  # the bit was clear: this rank reported it already
+                        raise _Double
                 d = 1
                 for request_id in out.finished_recving:
-                    mask = left_r[request_id] ^ bit
-                    if mask & bit:
-                        raise _Double
-                    if mask:
-                        left_r[request_id] = mask
-                    else:
+                    mask = left_r[request_id]
+                    if mask == bit:
                         del left_r[request_id]
                         add_r(request_id)
+                    elif mask & bit:
+                        left_r[request_id] = mask ^ bit
+                    else:
+                        raise _Double
         except (KeyError, _Double) as exc:
             self._uncount(outputs, (bit, d, request_id))
             rank = bit.bit_length() - 1
@@ -319,7 +331,7 @@ class StandardAggregator:
             failed = recving & self._failed if recving and self._failed else _NONE
             if failed:
                 self._failed.difference_update(recving)
-            return KVConnectorOutput._trusted(sending, recving, failed, _NONE, None, (), None)
+            return _TRUSTED_IDS(sending, recving, failed)
         failed_now: set[str] = set().union(*(o.failed_recving for o in outputs))
         failed = recving & (failed_now | self._failed) if recving else _NONE
         self._failed.update(failed_now)
@@ -493,9 +505,9 @@ class _Double(Exception):
 
 
 _SEND, _RECV = _DIRECTIONS = (Direction.SEND, Direction.RECV)
-_STR = frozenset({str})
 _INDEXED = frozenset({list, tuple})
 _OUTPUT = frozenset({KVConnectorOutput})
+_TRUSTED_IDS = KVConnectorOutput._trusted_ids
 # No count fixed in a step (never changed).
 _NO_COUNTS: tuple[dict[str, int], dict[str, int]] = ({}, {})
 _NONE: frozenset[Any] = frozenset()

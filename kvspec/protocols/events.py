@@ -581,6 +581,23 @@ class KVConnectorOutput:
                        or worker_metadata is not None))
         return out
 
+    @classmethod
+    def _trusted_ids(cls, finished_sending: frozenset[str], finished_recving: frozenset[str],
+                     failed_recving: frozenset[str]) -> KVConnectorOutput:
+        """``_trusted`` for an output of finished ids only (and the failed receives among
+        them): the aggregator's common step, with the other fields at their defaults."""
+        out = _NEW(cls)
+        _SET_SENDING(out, finished_sending)
+        _SET_RECVING(out, finished_recving)
+        _SET_FAILED(out, failed_recving)
+        _SET_INVALID(out, _NO_BLOCKS)
+        _SET_STATS(out, None)
+        _SET_EVENTS(out, ())
+        _SET_META(out, None)
+        _SET_COUNT(out, None)
+        _SET_RARE(out, bool(failed_recving))
+        return out
+
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_rare", bool(
             self.failed_recving or self.invalid_block_ids or self.events
@@ -713,6 +730,10 @@ EMPTY_OUTPUT = KVConnectorOutput()
 _SLOT_SETTERS = tuple(
     getattr(KVConnectorOutput, field.name).__set__ for field in attrs.fields(KVConnectorOutput)
 )
+(_SET_SENDING, _SET_RECVING, _SET_FAILED, _SET_INVALID, _SET_STATS, _SET_EVENTS, _SET_META,
+ _SET_COUNT, _SET_RARE) = _SLOT_SETTERS
+_NEW = object.__new__
+_NO_BLOCKS: frozenset[int] = frozenset()
 
 
 # ----------------------------------------------------------------- wire helpers
