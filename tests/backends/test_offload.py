@@ -225,6 +225,15 @@ def _finish_store(sched: OffloadScheduler, rid: str) -> None:
     sched.update_connector_output(KVConnectorOutput(finished_sending=frozenset({rid})))
 
 
+def _store_a(sched: OffloadScheduler, prompt: list[int] | None = None) -> None:
+    """Request "a" (9 tokens, two full blocks of 4) finishes and its store is reported."""
+    a = _request("a", list(range(9)) if prompt is None else prompt, computed=9)
+    sched.on_new_request(a)
+    sched.request_finished(a, (3, 4, 5))
+    _meta(sched)
+    _finish_store(sched, "a")
+
+
 def _meta(sched: OffloadScheduler, step: int = 0) -> OffloadMetadata:
     meta = sched.build_connector_meta(SchedulerOutputView(step_id=step))
     assert isinstance(meta, OffloadMetadata)
@@ -434,11 +443,7 @@ def test_stores_in_flight_are_tracked_per_block() -> None:
 def test_scheduler_drops_blocks_of_failed_loads() -> None:
     sched = OffloadScheduler(_config())
     prompt = list(range(9))
-    a = _request("a", prompt, computed=9)
-    sched.on_new_request(a)
-    sched.request_finished(a, (3, 4, 5))
-    _meta(sched)
-    _finish_store(sched, "a")
+    _store_a(sched, prompt)
     b = _request("b", prompt)
     sched.on_new_request(b)
     sched.get_num_new_matched_tokens(b, 0)
@@ -868,11 +873,7 @@ def test_a_block_evicted_after_the_match_loads_with_slot_minus_one() -> None:
     """WRK-011: a block evicted between the match and the allocation is sent with slot -1
     (the workers fail it); the other blocks load, count as hits and are pinned."""
     sched = OffloadScheduler(_config(offload_slots=3))
-    a = _request("a", list(range(9)), computed=9)
-    sched.on_new_request(a)
-    sched.request_finished(a, (3, 4, 5))
-    _meta(sched)
-    _finish_store(sched, "a")  # slots 0 and 1
+    _store_a(sched)  # slots 0 and 1
     probe = _request("probe", list(range(9)))
     sched.on_new_request(probe)
     assert sched.get_num_new_matched_tokens(probe, 0) == (8, True)
@@ -890,11 +891,7 @@ def test_matches_never_count_evicted_or_failed_blocks() -> None:
     """SCH-006: the match covers only blocks the connector can deliver now. Blocks evicted
     to make room, or dropped after a failed load, are not matched afterwards."""
     sched = OffloadScheduler(_config(offload_slots=2))
-    a = _request("a", list(range(9)), computed=9)
-    sched.on_new_request(a)
-    sched.request_finished(a, (3, 4, 5))
-    _meta(sched)
-    _finish_store(sched, "a")
+    _store_a(sched)
     probe = _request("probe", list(range(9)))
     sched.on_new_request(probe)
     assert sched.get_num_new_matched_tokens(probe, 0) == (8, True)
@@ -935,11 +932,7 @@ def test_sync_load_scheduler_matches_synchronously_and_unpins_once_sent() -> Non
     awaited in finished_recving (SCH-028), and a block named invalid is dropped (WRK-011)."""
     sched = OffloadScheduler(_config(offload_slots=2, sync_loads=True))
     prompt = list(range(9))
-    a = _request("a", prompt, computed=9)
-    sched.on_new_request(a)
-    sched.request_finished(a, (3, 4, 5))
-    _meta(sched)
-    _finish_store(sched, "a")
+    _store_a(sched, prompt)
     b = _request("b", prompt)
     sched.on_new_request(b)
     assert sched.get_num_new_matched_tokens(b, 0) == (8, False)
