@@ -146,7 +146,12 @@ def _check_hash(value: object, what: str) -> int | bytes:
     return value
 
 
+_PLAIN_CONTAINERS = frozenset({set, frozenset, list, tuple})
+
+
 def _iterate(value: object, what: str, clause: str) -> list[object]:
+    if type(value) in _PLAIN_CONTAINERS:  # the common case, without the ABC checks below
+        return list(cast("Iterable[object]", value))
     if isinstance(value, (str, bytes, bytearray)):
         raise InvalidArgumentError(
             f"{what} is a bare {_type_name(value)} {value!r}; expected an iterable of items",

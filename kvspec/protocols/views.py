@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -35,6 +35,8 @@ __all__ = [
 
 
 _INT = frozenset({int})
+_STR = frozenset({str})
+_CONTAINERS = frozenset({list, tuple, set, frozenset})
 
 
 def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
@@ -219,6 +221,8 @@ class ForwardKind(enum.Enum):
 
 
 def _ids_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    if type(value) in _CONTAINERS and set(map(type, value)) <= _STR and "" not in value:
+        return tuple(value)  # the common case, checked at C speed
     if isinstance(value, str) or not isinstance(value, Iterable):
         got = "one str" if isinstance(value, str) else type(value).__name__
         raise InvalidArgumentError(
@@ -249,7 +253,8 @@ def _token_ids(values: Iterable[int]) -> tuple[int, ...]:
 
 
 def _groups(groups: object) -> tuple[tuple[int, ...], ...]:
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+    if type(groups) is not tuple and type(groups) is not list and (
+            isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable)):
         raise InvalidBlockIdError(
             f"blocks must be an iterable of block-id iterables (one per KV-cache group), "
             f"got {groups!r}",
@@ -259,7 +264,7 @@ def _groups(groups: object) -> tuple[tuple[int, ...], ...]:
 
 
 def _token_counts(m: object) -> Mapping[str, int]:
-    if not isinstance(m, Mapping):
+    if type(m) is not dict and not isinstance(m, Mapping):
         raise InvalidArgumentError(
             f"num_scheduled_tokens must be a mapping of request id to token count, got {m!r}",
             clause="ERR-002",
@@ -275,7 +280,20 @@ def _hashes(values: object) -> tuple[bytes, ...]:
     return tuple(values)
 
 
+_checked_layer_names: tuple[str, ...] = ()
+"""The last tuple of layer names found valid and unique: an engine passes the same tuple
+every step, and a tuple of str cannot change, so it is not checked again."""
+
+
 def _layer_names(values: object) -> tuple[str, ...]:
+    global _checked_layer_names
+    if values is _checked_layer_names:
+        return _checked_layer_names
+    if type(values) is tuple and set(map(type, values)) <= _STR and "" not in values:
+        names = cast("tuple[str, ...]", values)
+        if names and len(set(names)) == len(names):
+            _checked_layer_names = names
+        return names
     if isinstance(values, str) or not isinstance(values, Iterable):
         raise InvalidArgumentError(
             f"layer_names must be an iterable of str, got {values!r}", clause="ERR-002"
@@ -477,6 +495,8 @@ def _cached_reqs(value: Iterable[CachedRequestView]) -> tuple[CachedRequestView,
 
 
 def _check_seq(name: str, value: object) -> None:
+    if type(value) in _CONTAINERS:
+        return
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidArgumentError(f"{name} must be an iterable of views, got {value!r}")
 
@@ -514,13 +534,13 @@ class SchedulerOutputView:
 
     def __attrs_post_init__(self) -> None:
         # Each check runs at C speed over the whole step; the loops only find the culprit.
-        if not {type(r) for r in self.scheduled_new_reqs} <= _NEW_VIEW:
+        if not set(map(type, self.scheduled_new_reqs)) <= _NEW_VIEW:
             for r in self.scheduled_new_reqs:
                 if not isinstance(r, NewRequestView):
                     raise InvalidArgumentError(
                         f"scheduled_new_reqs must hold NewRequestView, got {type(r).__name__}"
                     )
-        if not {type(c) for c in self.scheduled_cached_reqs} <= _CACHED_VIEW:
+        if not set(map(type, self.scheduled_cached_reqs)) <= _CACHED_VIEW:
             for c in self.scheduled_cached_reqs:
                 if not isinstance(c, CachedRequestView):
                     raise InvalidArgumentError(
@@ -583,7 +603,8 @@ class ForwardContextView:
             )
         if self.step_id is not None:
             _nonneg("step_id", self.step_id)
-        if not self.layer_names or len(set(self.layer_names)) != len(self.layer_names):
+        names = self.layer_names
+        if names is not _checked_layer_names and (not names or len(set(names)) != len(names)):
             raise InvalidArgumentError(
                 f"layer_names must be unique and non-empty, got {self.layer_names!r}"
             )

@@ -66,7 +66,9 @@ if tuple(f.name for f in attrs.fields(CachedRequestView)) != _CACHED_FIELDS:  # 
     raise ImportError("kvspec.vllm._translate builds CachedRequestView field by field; its "
                       "fields changed: update _cached_views")
 _new = object.__new__
-_set = object.__setattr__
+# The views' slot setters, in field order: one C call per field.
+_SET_ID, _SET_BLOCKS, _SET_COMPUTED, _SET_TOKENS, _SET_RESUMED = (
+    getattr(CachedRequestView, name).__set__ for name in _CACHED_FIELDS)
 
 
 def _nonneg_ints(values: Iterable[Any]) -> bool:
@@ -219,16 +221,16 @@ def _cached_views(cached: Any, groups: int) -> list[CachedRequestView]:
         ) for i, rid in enumerate(ids)]
     toks += [()] * (n - len(toks))  # vLLM sends new tokens only with pipeline parallelism
     none = allocated_blocks(None, groups)
-    out = []
+    out: list[CachedRequestView] = []
+    append = out.append
     for rid, new_blocks, count, toks_i in zip(ids, blocks, computed, toks):
         view = _new(CachedRequestView)
-        _set(view, "request_id", rid)
-        _set(view, "new_blocks", none if new_blocks is None else allocated_blocks(new_blocks,
-                                                                                  groups))
-        _set(view, "num_computed_tokens", count)
-        _set(view, "new_token_ids", toks_i)
-        _set(view, "resumed_from_preemption", rid in resumed)
-        out.append(view)
+        _SET_ID(view, rid)
+        _SET_BLOCKS(view, none if new_blocks is None else allocated_blocks(new_blocks, groups))
+        _SET_COMPUTED(view, count)
+        _SET_TOKENS(view, toks_i)
+        _SET_RESUMED(view, rid in resumed)
+        append(view)
     return out
 
 

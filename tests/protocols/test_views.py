@@ -442,6 +442,18 @@ def test_forward_context_layer_names_are_strs(names: Any) -> None:
         ForwardContextView(ForwardKind.REAL, 0, 8, names)
 
 
+def test_forward_context_checks_every_other_tuple_of_names_after_a_valid_one() -> None:
+    """The last valid tuple of layer names is not checked again (the engine passes the same
+    one every step); any other tuple still is."""
+    names = ("l0", "l1")
+    assert ForwardContextView(ForwardKind.REAL, 0, 8, names).layer_names is names
+    assert ForwardContextView(ForwardKind.REAL, 1, 8, names).layer_names is names
+    for bad in (("l0", "l0"), ("l0", ""), (), ("l0", 3)):
+        with pytest.raises(InvalidArgumentError):
+            ForwardContextView(ForwardKind.REAL, 2, 8, bad)
+    assert ForwardContextView(ForwardKind.REAL, 3, 8, names).layer_names is names
+
+
 # ---------------------------------------------------------------- EngineConfigView
 
 
