@@ -69,7 +69,7 @@ def _failure_reason(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in lines:
         if CLAUSE.search(ln) and ("Error" in ln or "[" in ln):
-            return ln[:300]
+            return ln.removeprefix("E ").strip()[:300]
     for ln in lines:
         if ln.startswith("E "):
             return ln[2:].strip()[:300]
