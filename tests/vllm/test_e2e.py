@@ -53,6 +53,21 @@ def test_offload_stores_then_loads_identical_tokens_and_the_loaded_bytes_are_use
     assert all(r["tokens"] != b for r, b in zip(third, baseline))
 
 
+def test_sync_load_offload_loads_before_the_forward_reads_the_kv(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """WRK-004 SCH-004: with synchronous loads the match is (n, False) and vLLM computes the
+    request in the same step; run 2 has the baseline's tokens only if start_load_kv copied
+    the blocks before the forward read them, and after the pool is overwritten with noise
+    the tokens change, so they came from the loaded bytes."""
+    e = _store_then_load({"factory": "kvspec.backends.offload:SyncLoadOffloadConnector",
+                          "extra": {"offload_slots": 64}}, vllm_logs, "offload-sync",
+                         baseline, engines)
+    assert e.call(f"{PROBES}:corrupt_offload_pool") > 0
+    third = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in third] == [_full_blocks(p) for p in PROMPTS]
+    assert all(r["tokens"] != b for r, b in zip(third, baseline))
+
+
 def test_layerwise_offload_stores_in_its_per_layer_hooks(
         vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
     """WRK-006: the capturable per-layer store path gathers stores in save_kv_layer, which
