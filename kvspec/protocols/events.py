@@ -572,18 +572,17 @@ class KVConnectorOutput:
         them again: for ``StandardAggregator``, whose result is made of the fields of
         outputs that were checked when they were constructed (EVT-001), on the
         executor's critical path. Not for anything that comes from a connector."""
-        out = object.__new__(cls)
-        fs, fr, fl, ib, st, ev, wm, ec, rare = _SLOT_SETTERS
-        fs(out, finished_sending)
-        fr(out, finished_recving)
-        fl(out, failed_recving)
-        ib(out, invalid_block_ids)
-        st(out, stats)
-        ev(out, events)
-        wm(out, worker_metadata)
-        ec(out, None)
-        rare(out, bool(failed_recving or invalid_block_ids or events or stats is not None
-                       or worker_metadata is not None))
+        out = _NEW(cls)
+        _SET_SENDING(out, finished_sending)
+        _SET_RECVING(out, finished_recving)
+        _SET_FAILED(out, failed_recving)
+        _SET_INVALID(out, invalid_block_ids)
+        _SET_STATS(out, stats)
+        _SET_EVENTS(out, events)
+        _SET_META(out, worker_metadata)
+        _SET_COUNT(out, None)
+        _SET_RARE(out, bool(failed_recving or invalid_block_ids or events or stats is not None
+                            or worker_metadata is not None))
         return out
 
     @classmethod
@@ -732,11 +731,11 @@ EMPTY_OUTPUT = KVConnectorOutput()
 
 # The slots' own setters, in field order: ``_trusted`` fills a frozen instance with them
 # (what attrs' generated ``__init__`` does, without the converters).
-_SLOT_SETTERS = tuple(
-    getattr(KVConnectorOutput, field.name).__set__ for field in attrs.fields(KVConnectorOutput)
-)
+# The output's slot setters, in field order: what the trusted constructors set.
 (_SET_SENDING, _SET_RECVING, _SET_FAILED, _SET_INVALID, _SET_STATS, _SET_EVENTS, _SET_META,
- _SET_COUNT, _SET_RARE) = _SLOT_SETTERS
+ _SET_COUNT, _SET_RARE) = (getattr(KVConnectorOutput, name).__set__ for name in (
+    "finished_sending", "finished_recving", "failed_recving", "invalid_block_ids", "stats",
+    "events", "worker_metadata", "expected_finished_count", "_rare"))
 _NEW = object.__new__
 _NO_BLOCKS: frozenset[int] = frozenset()
 

@@ -483,6 +483,36 @@ class CachedRequestView:
     new_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     resumed_from_preemption: bool = attrs.field(default=False, validator=_is(bool))
 
+    @classmethod
+    def _trusted_many(
+        cls, request_ids: Iterable[str], new_blocks: Iterable[AllocatedBlocks],
+        num_computed_tokens: Iterable[int], new_token_ids: Iterable[tuple[int, ...]],
+        resumed: frozenset[str] | set[str],
+    ) -> list[CachedRequestView]:
+        """One view per running request, from columns already in their checked form,
+        without checking them again: for an engine adapter that checked a whole step's
+        columns at once (``kvspec.vllm``), on the scheduler's per-step path. Not for
+        anything that comes from a connector."""
+        out: list[CachedRequestView] = []
+        append = out.append
+        for rid, blocks, count, tokens in zip(request_ids, new_blocks, num_computed_tokens,
+                                              new_token_ids):
+            view = _NEW(cls)
+            _SET_CACHED_ID(view, rid)
+            _SET_CACHED_BLOCKS(view, blocks)
+            _SET_CACHED_COMPUTED(view, count)
+            _SET_CACHED_TOKENS(view, tokens)
+            _SET_CACHED_RESUMED(view, rid in resumed)
+            append(view)
+        return out
+
+
+_NEW = object.__new__
+(_SET_CACHED_ID, _SET_CACHED_BLOCKS, _SET_CACHED_COMPUTED, _SET_CACHED_TOKENS,
+ _SET_CACHED_RESUMED) = (getattr(CachedRequestView, name).__set__ for name in (
+    "request_id", "new_blocks", "num_computed_tokens", "new_token_ids",
+    "resumed_from_preemption"))
+
 
 def _new_reqs(value: Iterable[NewRequestView]) -> tuple[NewRequestView, ...]:
     _check_seq("scheduled_new_reqs", value)

@@ -14,8 +14,6 @@ from itertools import chain
 from operator import ne
 from typing import Any
 
-import attrs
-
 from kvspec.protocols import (
     AllocatedBlocks,
     CachedRequestView,
@@ -60,15 +58,6 @@ _NONE: dict[int, AllocatedBlocks] = {}
 _INT = frozenset({int})
 _STR = frozenset({str})
 
-_CACHED_FIELDS = ("request_id", "new_blocks", "num_computed_tokens", "new_token_ids",
-                  "resumed_from_preemption")
-if tuple(f.name for f in attrs.fields(CachedRequestView)) != _CACHED_FIELDS:  # pragma: no cover
-    raise ImportError("kvspec.vllm._translate builds CachedRequestView field by field; its "
-                      "fields changed: update _cached_views")
-_new = object.__new__
-# The views' slot setters, in field order: one C call per field.
-_SET_ID, _SET_BLOCKS, _SET_COMPUTED, _SET_TOKENS, _SET_RESUMED = (
-    getattr(CachedRequestView, name).__set__ for name in _CACHED_FIELDS)
 
 
 def _nonneg_ints(values: Iterable[Any]) -> bool:
@@ -196,8 +185,8 @@ def _cached_views(cached: Any, groups: int) -> list[CachedRequestView]:
     The step's columns are checked at once, at C speed, for what the view's validators
     check per request (ERR-002): ids non-empty ``str``, computed-token counts and new token
     ids ints >= 0; new blocks go through ``allocated_blocks`` (ERR-003). The views are
-    then built without running those validators again, as ``KVConnectorOutput._trusted``
-    is. Columns that fail the bulk check take the view's own constructor, which raises
+    then built without running those validators again
+    (``CachedRequestView._trusted_many``). Columns that fail the bulk check take the view's own constructor, which raises
     its typed error (or, for a malformed vLLM object, fails as vLLM's object does).
     """
     ids: Sequence[str] = cached.req_ids
@@ -221,17 +210,8 @@ def _cached_views(cached: Any, groups: int) -> list[CachedRequestView]:
         ) for i, rid in enumerate(ids)]
     toks += [()] * (n - len(toks))  # vLLM sends new tokens only with pipeline parallelism
     none = allocated_blocks(None, groups)
-    out: list[CachedRequestView] = []
-    append = out.append
-    for rid, new_blocks, count, toks_i in zip(ids, blocks, computed, toks):
-        view = _new(CachedRequestView)
-        _SET_ID(view, rid)
-        _SET_BLOCKS(view, none if new_blocks is None else allocated_blocks(new_blocks, groups))
-        _SET_COMPUTED(view, count)
-        _SET_TOKENS(view, toks_i)
-        _SET_RESUMED(view, rid in resumed)
-        append(view)
-    return out
+    checked = [none if b is None else allocated_blocks(b, groups) for b in blocks[:n]]
+    return CachedRequestView._trusted_many(ids, checked, computed, toks, resumed)
 
 
 def output_from_vllm(

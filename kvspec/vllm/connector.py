@@ -131,6 +131,7 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler = self._factory.create_scheduler(self._config)
             self._requests = RequestCache()
             self._step = 0
+            self._failed_pending: set[str] = set()  # releases without failed_recving
         else:
             self._worker = self._factory.create_worker(self._config, self._rank())
             self._layer_names: tuple[str, ...] = ()
@@ -139,7 +140,6 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._bound: StepWire | None = None
             self._saved = False  # wait_for_save ran for the bound step
             self._output_extra: tuple[Any, ...] | None = None
-        self._failed_pending: set[str] = set()  # releases without failed_recving
         self._shut = False
         _LIVE.add(self)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
