@@ -244,6 +244,7 @@ def _no_matplotlib() -> bool:
 
 def _bench_offload(args: argparse.Namespace) -> int:
     from .bench.offload import (
+        OVERHEAD_REPEATS,
         OffloadGrid,
         OffloadPoint,
         check_targets,
@@ -274,10 +275,9 @@ def _bench_offload(args: argparse.Namespace) -> int:
 
     results = run_offload_bench(grid, progress)
     print(f"per-step work outside copies ({args.overhead_blocks} blocks)", file=sys.stderr, flush=True)
-    overheads = measure_step_overhead(
-        args.overhead_blocks, repeats=grid.repeats, warmup=grid.warmup
-    )
-    checks = check_targets(results, overheads, repeats=grid.repeats)
+    overhead_repeats = args.overhead_repeats or (grid.repeats if args.quick else OVERHEAD_REPEATS)
+    overheads = measure_step_overhead(args.overhead_blocks, repeats=overhead_repeats)
+    checks = check_targets(results, overheads, repeats=min(grid.repeats, overhead_repeats))
     if args.svg:
         from .bench._chart import bar_chart
 
@@ -294,7 +294,8 @@ def _bench_offload(args: argparse.Namespace) -> int:
             {
                 "kvspec_version": __version__,
                 "machine": machine_info(),
-                "grid": {"repeats": grid.repeats, "warmup": grid.warmup, "seed": grid.seed},
+                "grid": {"repeats": grid.repeats, "warmup": grid.warmup, "seed": grid.seed,
+                         "overhead_repeats": overhead_repeats},
                 "results": [r.as_dict() for r in results],
                 "step_overhead_us": [o.as_dict() for o in overheads],
                 "targets": [
@@ -315,6 +316,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
     print()
     print(format_table(results))
     print()
+    print(f"per-step work: medians of {overhead_repeats} runs, in microseconds")
     for o in overheads:
         print(o.line())
     for c in checks:
@@ -384,6 +386,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0, help="seed of the block choice and bytes")
     o.add_argument("--overhead-blocks", type=_positive_int, default=256, metavar="N",
                    help="blocks of the per-step overhead measurement (default 256)")
+    o.add_argument("--overhead-repeats", type=_positive_int, default=None, metavar="N",
+                   help="timed runs of the per-step overhead measurement (default 51; "
+                        "--quick: the grid's runs)")
     o.add_argument("--json", action="store_true", help="print the results as JSON")
     o.add_argument("--svg", metavar="PATH", help="also write a chart of the ratios to PATH")
     o.set_defaults(func=_bench_offload)

@@ -51,6 +51,7 @@ __all__ = [
     "DTYPES",
     "JUDGED_MIB",
     "JUDGED_REPEATS",
+    "OVERHEAD_REPEATS",
     "OffloadGrid",
     "OffloadPoint",
     "OffloadResult",
@@ -227,13 +228,11 @@ class StepOverhead:
             call ``start_load_kv`` makes; the copy builds its index on the worker's
             background thread.
         finish_us: ``update_connector_output`` with the job reported finished (the store's
-            blocks become stored and its ``BlockStored`` events are built; the load's
-            slots unpin).
-        events_us: ``take_events`` after the finish: building the ``BlockStored`` /
-            ``BlockRemoved`` events, whose cost is per token (they carry the token ids,
-            EVT-005), not per block. Reported, not part of ``total_us``.
-        total_us: Median of the per-repetition sums of the five parts before
-            ``events_us``.
+            blocks become stored; the load's slots unpin).
+        events_us: ``take_events`` after the finish: building the store's ``BlockStored``
+            events (EVT-005). Counted in ``total_us``: vLLM's scheduler calls
+            ``take_events`` every step, whether or not it publishes KV events.
+        total_us: Median of the per-repetition sums of the six parts.
     """
 
     direction: str
@@ -255,8 +254,8 @@ class StepOverhead:
         return (f"per-step work outside copies, {self.direction} of {self.blocks} blocks: "
                 f"{self.total_us:.1f} us (schedule {self.schedule_us:.1f}, encode "
                 f"{self.encode_us:.1f}, decode {self.decode_us:.1f}, worker plan "
-                f"{self.plan_us:.1f}, finish {self.finish_us:.1f}); events {self.events_us:.1f} "
-                f"us more")
+                f"{self.plan_us:.1f}, finish {self.finish_us:.1f}, events "
+                f"{self.events_us:.1f})")
 
 
 @dataclass(frozen=True)
@@ -359,9 +358,14 @@ def _config(blocks: int, block_size: int, layers: int) -> EngineConfigView:
     )
 
 
+OVERHEAD_REPEATS = 51
+"""Repetitions of ``measure_step_overhead`` in ``kvspec bench offload``: one costs about a
+millisecond, and a median of few is at the mercy of one busy moment of the machine."""
+
+
 def measure_step_overhead(
-    blocks: int = 256, *, block_size: int = 16, layers: int = 32, repeats: int = 7,
-    warmup: int = 2,
+    blocks: int = 256, *, block_size: int = 16, layers: int = 32,
+    repeats: int = OVERHEAD_REPEATS, warmup: int = 5,
 ) -> tuple[StepOverhead, StepOverhead]:
     """Median per-step work outside the copies for one store job and one load job of
     ``blocks`` blocks, through the backend's own code: the scheduler role, the metadata
@@ -371,7 +375,8 @@ def measure_step_overhead(
     Each repetition uses a fresh scheduler (built untimed): a request with ``blocks`` full
     computed blocks finishes, so ``request_finished`` plans a store of all of them; the
     store is reported finished; then a second request with the same prompt matches all of
-    them and loads them.
+    them and loads them. The engine's ``SchedulerOutputView`` is built before the clock
+    starts: it is the engine's (its adapter's) work, not the backend's.
     """
     tokens = tuple(range(blocks * block_size + 1))
     hashes = tuple(hashlib.sha256(f"bench|{i}".encode()).digest() for i in range(blocks))
@@ -395,9 +400,10 @@ def measure_step_overhead(
 
     def step(direction: str, rep: int, schedule: Callable[[], object],
              sched: OffloadScheduler, finished: KVConnectorOutput) -> None:
+        view = SchedulerOutputView(step_id=rep)
         t0 = clock()
         schedule()
-        meta = sched.build_connector_meta(SchedulerOutputView(step_id=rep))
+        meta = sched.build_connector_meta(view)
         t1 = clock()
         assert isinstance(meta, OffloadMetadata)
         data = meta.encode()
@@ -435,7 +441,7 @@ def measure_step_overhead(
     out = []
     for direction, parts in times.items():
         med = {name: statistics.median(v) for name, v in parts.items()}
-        totals = [sum(parts[name][i] for name in names[:-1]) for i in range(repeats)]
+        totals = [sum(parts[name][i] for name in names) for i in range(repeats)]
         out.append(StepOverhead(direction, blocks, med["schedule"], med["encode"],
                                 med["decode"], med["plan"], med["finish"], med["events"],
                                 statistics.median(totals)))

@@ -42,6 +42,7 @@ from kvspec.protocols.errors import (
     InvalidBlockIdError,
     MalformedMetadataError,
 )
+from kvspec.protocols.views import RequestView
 
 __all__ = [
     "EMPTY_OUTPUT",
@@ -277,6 +278,50 @@ class BlockStored:
                 f"{self.block_size} = {expected}",
                 clause="EVT-005",
             )
+
+    @classmethod
+    def from_request(
+        cls, request: RequestView, first: int, last: int, block_size: int, *,
+        medium: str | None = None,
+    ) -> BlockStored:
+        """The event for the request's full blocks at positions ``[first, last)``: their
+        hashes from ``request.block_hashes``, the parent the hash before ``first``, their
+        tokens from the request's tokens, the request's ``lora_id``.
+
+        Checks the arguments, not the hashes, tokens and ``lora_id`` again: a
+        ``RequestView`` checked them when it was built (non-empty bytes, ints >= 0), so
+        the event costs two slices, not a pass over every token id. A connector that
+        stores blocks every step (vLLM calls ``take_events`` every step) should build its
+        events so.
+
+        Raises:
+            InvalidArgumentError: ``request`` is not a ``RequestView``, ``[first, last)``
+                is not a non-empty range of its full blocks (``last * block_size`` tokens
+                at most, ``last`` hashes at most), ``block_size`` is not an int >= 1, or
+                ``medium`` is malformed (EVT-005).
+        """
+        if not isinstance(request, RequestView):
+            raise InvalidArgumentError(
+                f"request is {_type_name(request)}; expected a RequestView", clause="EVT-005"
+            )
+        size = _block_size(block_size)
+        hashes = request.block_hashes
+        if (isinstance(first, bool) or isinstance(last, bool) or not isinstance(first, int)
+                or not isinstance(last, int) or not 0 <= first < last <= len(hashes)
+                or last * size > request.num_tokens):
+            raise InvalidArgumentError(
+                f"blocks [{first!r}, {last!r}) of request {request.request_id!r}; expected "
+                f"0 <= first < last <= {len(hashes)} (its block hashes) and last * "
+                f"{size} <= {request.num_tokens} (its tokens)", clause="EVT-005",
+            )
+        prompt = request.prompt_token_ids
+        tokens = (prompt if last * size <= len(prompt) else request.all_token_ids)
+        event = _NEW(cls)
+        for setter, value in zip(_BLOCK_STORED_SETTERS, (
+                hashes[first:last], hashes[first - 1] if first else None,
+                tokens[first * size:last * size], size, request.lora_id, _medium(medium))):
+            setter(event, value)
+        return event
 
 
 @attrs.frozen
@@ -729,13 +774,14 @@ class KVConnectorOutput:
 EMPTY_OUTPUT = KVConnectorOutput()
 """The output of a rank with nothing to report this step (EVT-001)."""
 
-# The slots' own setters, in field order: ``_trusted`` fills a frozen instance with them
-# (what attrs' generated ``__init__`` does, without the converters).
-# The output's slot setters, in field order: what the trusted constructors set.
+# The slots' own setters, in field order: the trusted constructors fill a frozen instance
+# with them (what attrs' generated ``__init__`` does, without the converters).
 (_SET_SENDING, _SET_RECVING, _SET_FAILED, _SET_INVALID, _SET_STATS, _SET_EVENTS, _SET_META,
  _SET_COUNT, _SET_RARE) = (getattr(KVConnectorOutput, name).__set__ for name in (
     "finished_sending", "finished_recving", "failed_recving", "invalid_block_ids", "stats",
     "events", "worker_metadata", "expected_finished_count", "_rare"))
+_BLOCK_STORED_SETTERS = tuple(getattr(BlockStored, name).__set__ for name in (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"))
 _NEW = object.__new__
 _NO_BLOCKS: frozenset[int] = frozenset()
 

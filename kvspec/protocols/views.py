@@ -12,9 +12,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import attrs
+import msgspec
 
 from .errors import InvalidArgumentError, InvalidBlockIdError
 
@@ -36,7 +37,27 @@ __all__ = [
 
 _INT = frozenset({int})
 _STR = frozenset({str})
+_BYTES = frozenset({bytes})
 _CONTAINERS = frozenset({list, tuple, set, frozenset})
+
+
+# From this many values on, msgspec's one C pass (type and range of every value, bools and
+# floats refused) is faster than the passes below; below it, msgspec's call costs more.
+_BULK = 16
+_NONNEG_INTS = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+
+
+def _nonneg_bulk(values: object) -> tuple[int, ...] | None:
+    """``values`` as a tuple when it is a list or tuple of at least ``_BULK`` ints >= 0,
+    checked in one pass at C speed; else None (the callers' own checks then decide, and
+    say what is wrong)."""
+    if type(values) is tuple or type(values) is list:
+        if len(values) >= _BULK:
+            try:
+                return msgspec.convert(values, _NONNEG_INTS)
+            except msgspec.ValidationError:
+                return None
+    return None
 
 
 def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
@@ -57,6 +78,9 @@ def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
 
 
 def _block_ids(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    bulk = _nonneg_bulk(values)
+    if bulk is not None:
+        return bulk
     if isinstance(values, (set, frozenset)):
         raise InvalidBlockIdError(
             f"{name} must be ordered (token order), got a {type(values).__name__}",
@@ -244,6 +268,9 @@ def _v_positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
 
 
 def _token_ids(values: Iterable[int]) -> tuple[int, ...]:
+    bulk = _nonneg_bulk(values)
+    if bulk is not None:
+        return bulk
     out = _ints("token ids", values)
     if out and min(out) < 0:
         raise InvalidArgumentError(
@@ -418,11 +445,13 @@ class RequestView:
                 f"request {self.request_id!r} has an empty prompt; a request has >= 1 prompt token",
                 clause="ERR-002",
             )
-        for h in self.block_hashes:
-            if not isinstance(h, bytes) or not h:
-                raise InvalidArgumentError(
-                    f"block_hashes must hold non-empty bytes, got {h!r}", clause="ERR-002"
-                )
+        hashes = self.block_hashes
+        if not (set(map(type, hashes)) <= _BYTES and all(hashes)):  # else: say which
+            for h in hashes:
+                if not isinstance(h, bytes) or not h:
+                    raise InvalidArgumentError(
+                        f"block_hashes must hold non-empty bytes, got {h!r}", clause="ERR-002"
+                    )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidArgumentError(
                 f"cache_salt must be a str or None, got {self.cache_salt!r}", clause="ERR-002"

@@ -265,7 +265,7 @@ CLAUSES: tuple[Clause, ...] = (
            (V028_033,)),
     Clause("EVT-004", MUST, "Events are delivered once",
            "take_events MUST return each KV-cache event exactly once, draining what it returns.",
-           "Consumers of the event stream (routers, indexes) count stored and removed blocks.",
+           "Consumers of the event stream (routers, indexes) count stored and removed blocks. vLLM calls take_events on every step, whether or not it publishes KV events, so what building the events costs is per-step work.",
            (V028_033,)),
     Clause("EVT-005", MUST, "Event fields",
            "A BlockStored event MUST carry the block hashes, the parent block hash, the token ids, the block size, the LoRA id and the medium, with block size times the number of hashes equal to the number of token ids; a BlockRemoved event MUST carry the hashes and the medium.",

@@ -17,6 +17,7 @@ from kvspec.protocols.errors import (
     InvalidBlockIdError,
     MalformedMetadataError,
 )
+from kvspec.protocols import RequestView
 from kvspec.protocols.events import (
     EMPTY_OUTPUT,
     AllBlocksCleared,
@@ -100,6 +101,62 @@ def test_block_stored_converts_and_keeps_fields() -> None:
 def test_block_stored_rejects(kwargs: dict[str, Any], fragment: str) -> None:
     with pytest.raises(InvalidArgumentError, match="EVT-005") as info:
         stored(**kwargs)
+    assert fragment in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.integers(1, 40), block_size=st.integers(1, 5), outputs=st.integers(0, 12),
+    data=st.data(),
+)
+def test_block_stored_from_request_equals_the_checked_event(
+    blocks: int, block_size: int, outputs: int, data: st.DataObject
+) -> None:
+    """``from_request`` builds exactly the event the checking constructor builds from the
+    same fields, for any block range, whether the tokens come from the prompt or reach
+    into the output (the bulk token path starts at 16 tokens)."""
+    total = blocks * block_size
+    prompt_len = max(1, total - outputs)
+    tokens = data.draw(st.lists(st.integers(0, 2**40), min_size=total, max_size=total))
+    hashes = data.draw(st.lists(st.binary(min_size=1, max_size=4), min_size=blocks,
+                                max_size=blocks))
+    lora = data.draw(st.none() | st.integers(0, 9))
+    request = RequestView("r", tokens[:prompt_len], output_token_ids=tokens[prompt_len:],
+                          block_hashes=hashes, lora_id=lora)
+    first = data.draw(st.integers(0, blocks - 1))
+    last = data.draw(st.integers(first + 1, blocks))
+    event = BlockStored.from_request(request, first, last, block_size, medium="CPU")
+    assert event == BlockStored(
+        block_hashes=hashes[first:last], parent_block_hash=hashes[first - 1] if first else None,
+        token_ids=tokens[first * block_size:last * block_size], block_size=block_size,
+        lora_id=lora, medium="CPU",
+    )
+
+
+_REQ = RequestView("r", tuple(range(12)), block_hashes=(b"a", b"b", b"c"))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "fragment"),
+    [
+        (("r", 0, 1, 4), {}, "expected a RequestView"),
+        ((_REQ, 0, 0, 4), {}, "blocks [0, 0)"),
+        ((_REQ, 2, 1, 4), {}, "blocks [2, 1)"),
+        ((_REQ, -1, 1, 4), {}, "blocks [-1, 1)"),
+        ((_REQ, 0, 4, 4), {}, "<= 3 (its block hashes)"),
+        ((_REQ, 0, 3, 5), {}, "<= 12 (its tokens)"),
+        ((_REQ, False, 1, 4), {}, "blocks [False, 1)"),
+        ((_REQ, 0, 1.0, 4), {}, "blocks [0, 1.0)"),
+        ((_REQ, 0, 1, 0), {}, "block_size is 0"),
+        ((_REQ, 0, 1, True), {}, "block_size is True"),
+        ((_REQ, 0, 1, 4), {"medium": ""}, "medium is ''"),
+    ],
+)
+def test_block_stored_from_request_rejects(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="EVT-005") as info:
+        BlockStored.from_request(*args, **kwargs)
     assert fragment in str(info.value)
 
 

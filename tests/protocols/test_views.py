@@ -89,6 +89,22 @@ def test_allocated_blocks_rejects_bad_ids(groups: Any, fragment: str) -> None:
     assert isinstance(info.value, InvalidArgumentError) and isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("bad", [-1, 1.0, "3", True, False, None])
+@pytest.mark.parametrize("container", [list, tuple])
+def test_long_ids_and_tokens_are_checked_like_short_ones(bad: Any, container: Any) -> None:
+    """From 16 values on, ids and tokens are checked in one msgspec pass; a bad value
+    anywhere still raises the typed error that names it, and huge ints stay accepted."""
+    values = container([*range(39), bad])
+    with pytest.raises(InvalidBlockIdError, match=repr(bad) if bad != -1 else "-1"):
+        AllocatedBlocks.single(values)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        RequestView("r", values)
+    huge = container([*range(39), 2**70])
+    assert AllocatedBlocks.single(huge).block_ids() == tuple(huge)
+    assert RequestView("r", huge).prompt_token_ids == tuple(huge)
+    assert type(AllocatedBlocks.single(container(range(40))).block_ids()) is tuple
+
+
 @pytest.mark.parametrize("bad", [[-1], [0, "1"], [True]])
 def test_single_rejects_bad_ids(bad: list[Any]) -> None:
     with pytest.raises(InvalidBlockIdError):

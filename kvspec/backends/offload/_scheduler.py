@@ -38,7 +38,7 @@ from kvspec.protocols import (
     UnknownRequestError,
 )
 
-from .._checks import check_blocks, check_count, check_output, check_request
+from .._checks import check_block_ids, check_blocks, check_count, check_output, check_request
 from ._eviction import EvictionPolicy, make_policy
 
 __all__ = [
@@ -323,11 +323,17 @@ def _wire_job(job: TransferJob) -> tuple[str, tuple[int, ...], tuple[int, ...], 
 
 def _job(wire: tuple[str, tuple[int, ...], tuple[int, ...], int | tuple[int, ...]],
          is_load: bool) -> TransferJob:
-    """A decoded job, checked (``TransferJob._check`` on typed columns)."""
-    request_id, block_ids, slots, tags = wire
-    if isinstance(tags, int):
-        tags = (tags,) * len(block_ids)
-    return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=True)
+    """A decoded job, checked: the decoder typed its columns (non-empty, ints in range),
+    so what is left is one length and distinct block ids and slots (what
+    ``TransferJob._check`` does on typed columns, without its per-column calls)."""
+    request_id, block_ids, slots, wire_tags = wire
+    n = len(block_ids)
+    tags = (wire_tags,) * n if isinstance(wire_tags, int) else wire_tags
+    if not (len(slots) == len(tags) == n and len(set(block_ids)) == n and (
+            len(set(slots)) == n or is_load and len(set(slots) - {-1}) == n - slots.count(-1))):
+        # Not the common case: let the full check say what is wrong.
+        return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=True)
+    return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=None)
 
 
 @attrs.frozen
@@ -373,6 +379,17 @@ class OffloadMetadata:
                 f"{self.aborted_loads!r}"
             )
 
+    @classmethod
+    def _trusted(cls, loads: tuple[TransferJob, ...], stores: tuple[TransferJob, ...],
+                 aborted_loads: tuple[str, ...]) -> Self:
+        """Build from jobs the caller built and checked (the scheduler's own, or the
+        decoder's after it checked that no request repeats), without checking again."""
+        meta = object.__new__(cls)
+        object.__setattr__(meta, "loads", loads)
+        object.__setattr__(meta, "stores", stores)
+        object.__setattr__(meta, "aborted_loads", aborted_loads)
+        return meta
+
     @property
     def is_empty(self) -> bool:
         """True when the metadata describes nothing."""
@@ -405,8 +422,12 @@ class OffloadMetadata:
             _malformed(f"expected bytes, got {type(data).__name__}")
         try:
             _, _, loads, stores, aborted = _WIRE_DECODER.decode(data)
-            return cls(loads=tuple(_job(j, True) for j in loads),
-                       stores=tuple(_job(j, False) for j in stores), aborted_loads=aborted)
+            for name, wire in (("loads", loads), ("stores", stores), ("aborted_loads", aborted)):
+                if len(wire) > 1 and len({w if type(w) is str else w[0] for w in wire}) != len(
+                        wire):
+                    _malformed(f"{name} names a request twice (SCH-013)")
+            return cls._trusted(tuple([_job(j, True) for j in loads]),
+                                tuple([_job(j, False) for j in stores]), aborted)
         except MalformedMetadataError:
             raise
         except InvalidArgumentError as e:
@@ -487,6 +508,7 @@ class _Record(NamedTuple):
     keys: tuple[bytes, ...]
     positions: Sequence[int] = ()  # stores: the blocks' positions in the request
     request: RequestView | None = None  # stores: for the BlockStored events
+    run: bool = False  # stores: the slots are ascending and consecutive
 
 
 class _Running:
@@ -737,9 +759,6 @@ class OffloadScheduler(SchedulerConnector):
         """One BlockStored per run of consecutive stored positions (EVT-005)."""
         request = record.request
         assert request is not None
-        bs = self._block_size
-        tokens = request.all_token_ids
-        hashes = request.block_hashes
         positions = record.positions  # increasing
         runs = [(positions[0], positions[-1] + 1)]  # the usual case: one run
         if positions[-1] - positions[0] != len(positions) - 1:
@@ -752,12 +771,8 @@ class OffloadScheduler(SchedulerConnector):
         events = []
         for first, last in runs:
             try:
-                events.append(BlockStored(
-                    block_hashes=hashes[first:last],
-                    parent_block_hash=hashes[first - 1] if first else None,
-                    token_ids=tokens[first * bs: last * bs], block_size=bs,
-                    lora_id=request.lora_id, medium=MEDIUM,
-                ))
+                events.append(BlockStored.from_request(request, first, last,
+                                                       self._block_size, medium=MEDIUM))
             except InvalidArgumentError:
                 _log.debug("no BlockStored event for request %s", request.request_id)
         return tuple(events)
@@ -786,7 +801,7 @@ class OffloadScheduler(SchedulerConnector):
                 f"request_finished for request {rid!r}, which this connector never saw or "
                 "already finished (SCH-015)", request_id=rid, clause="SCH-028",
             )
-        AllocatedBlocks.single(block_ids).check_budget(self._config.num_blocks)
+        block_ids = check_block_ids(block_ids, self._config.num_blocks)
         self._known.discard(rid)
         self._asked.pop(rid, None)
         self._running.pop(rid, None)
@@ -796,7 +811,7 @@ class OffloadScheduler(SchedulerConnector):
             return stored_before, None
         full = min(len(request.block_hashes), request.num_computed_tokens // self._block_size,
                    len(block_ids))
-        planned = self._plan_store(request, tuple(block_ids), 0, full)
+        planned = self._plan_store(request, block_ids, 0, full)
         return planned or stored_before, None
 
     def _plan_store(
@@ -830,13 +845,15 @@ class OffloadScheduler(SchedulerConnector):
             self._counters["stores_skipped"] += len(keys) - n
         if not n:
             return False
+        # Without evictions every slot came from the free list's lowest, in ascending order.
+        run = not removed and slots[-1] - slots[0] == n - 1
         tag = self._next_tag
         self._next_tag += 1
         job = TransferJob._build(rid, tuple(ids[:n]), tuple(slots), (tag,) * n, False,
                                  typed=None)
         self._pending_stores.append(job)
         storing.update(new if n == len(keys) else keys[:n])
-        record = _Record(job, tuple(keys[:n]), positions[:n], request)
+        record = _Record(job, tuple(keys[:n]), positions[:n], request, run)
         self._saving.setdefault(rid, []).append(record)
         self._counters["miss_blocks"] += n
         return True
@@ -882,10 +899,11 @@ class OffloadScheduler(SchedulerConnector):
             )
         if self._settings.store_when == "computed":
             self._store_running(scheduler_output)
-        meta = OffloadMetadata(
-            loads=tuple(self._pending_loads), stores=tuple(self._pending_stores),
-            aborted_loads=tuple(self._pending_aborts),
-        )
+        loads, stores = tuple(self._pending_loads), tuple(self._pending_stores)
+        for name, jobs in (("loads", loads), ("stores", stores)):
+            if len(jobs) > 1 and len({j.request_id for j in jobs}) != len(jobs):
+                raise InvalidArgumentError(f"{name} names a request twice", clause="SCH-013")
+        meta = OffloadMetadata._trusted(loads, stores, tuple(self._pending_aborts))
         if self._settings.sync_loads:  # done in this step, before any later store runs
             for job in self._pending_loads:
                 self._unpin(job.request_id)
@@ -957,9 +975,9 @@ class OffloadScheduler(SchedulerConnector):
                     continue
                 tag, slots = job.tags[0], job.slots
                 self._index.update(zip(record.keys, slots))
-                first, n = slots[0], len(slots)
-                if slots[-1] == first + n - 1 and slots == tuple(range(first, first + n)):
-                    self._slot_tag[first:first + n] = (tag,) * n  # one run: at C speed
+                if record.run:  # one run: at C speed
+                    first, n = slots[0], len(slots)
+                    self._slot_tag[first:first + n] = (tag,) * n
                 else:
                     for slot in slots:
                         self._slot_tag[slot] = tag
