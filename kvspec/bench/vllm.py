@@ -15,8 +15,14 @@ within each round, and medians are taken over rounds.
 * **Offload hit**: one engine per arm, vLLM's ``ExampleConnector`` (files on local disk)
   against ``KVSpecConnector`` with kvspec's offload backend in its synchronous-load mode
   (``SyncLoadOffloadConnector``, loads done in the step, as ExampleConnector's). Each round
-  uses fresh prompts: pass 1 stores, pass 2 hits and is timed (time to first token), and the connector's part
-  is pass 2's time minus the short prompt's.
+  uses fresh prompts: pass 1 stores, then an untimed request of the short prompt lets the
+  engine step until every store of pass 1 is done and reported (kvspec's stores of a
+  request's last step go out in the engine's next step; ExampleConnector's are written in
+  the forward), then pass 2 hits and is timed (time to first token). The connector's part
+  is pass 2's time minus the short prompt's. An engine without a connector and with vLLM's
+  prefix cache on runs the same passes: its hit costs the engine's own work for a longer
+  prompt that hits (allocation, block hashes, scheduling) and no connector at all, so its
+  part is what either connector's part holds besides the connector ("net" subtracts it).
 
 Tokens are checked against an engine without any connector, and the tokens each connector
 takes are counted at its ``get_num_new_matched_tokens``. No vLLM import here.
@@ -40,6 +46,8 @@ __all__ = ["Arm", "VllmBenchOptions", "VllmBenchResult", "run_vllm_bench"]
 
 PROBES = "kvspec.vllm._probes"
 BLOCK = 32
+ENGINE_ONLY = "vLLM prefix cache, no connector"
+_FLUSH_STEPS = 8  # decode steps of the untimed request after pass 1: its stores finish
 
 
 @attrs.frozen
@@ -67,7 +75,10 @@ class VllmBenchOptions:
 
 @attrs.frozen
 class Arm:
-    """One arm's medians over rounds, per prompt length (milliseconds)."""
+    """One arm's medians over rounds, per prompt length (milliseconds); for the offload
+    comparison also the time spent inside the connector's hooks per request
+    (microseconds, ``kvspec.vllm._probes.record_hook_time``), for each prompt and the
+    no-work prompt."""
 
     name: str
     ttft_ms: dict[int, float]
@@ -75,24 +86,43 @@ class Arm:
     no_work_ms: float
     tokens_taken: dict[int, int]
     same_tokens: bool
+    hook_us: dict[int, float] = attrs.field(factory=dict)
+    no_work_hook_us: float | None = None
+
+    @property
+    def own_hook_us(self) -> dict[int, float]:
+        """In-hook time of each prompt minus the no-work prompt's: the connector's own
+        work for the hit, without the engine's."""
+        base = self.no_work_hook_us or 0.0
+        return {n: t - base for n, t in self.hook_us.items()}
 
 
 @attrs.frozen
 class VllmBenchResult:
-    """Both comparisons' arms (kvspec's second), start-up times and the options."""
+    """Both comparisons' arms (kvspec's second), the offload comparison's engine-only
+    reference (vLLM's prefix cache, no connector), start-up times and the options."""
 
     options: VllmBenchOptions
     pd: tuple[Arm, Arm] | None
     offload: tuple[Arm, Arm] | None
     startup_s: dict[str, float]
+    offload_engine: Arm | None = None
+
+    def net_ms(self, arm: Arm) -> dict[int, float]:
+        """``arm``'s connector part minus the engine-only reference's part, per length."""
+        ref = self.offload_engine
+        return {n: t - (ref.own_ms[n] if ref is not None else 0.0)
+                for n, t in arm.own_ms.items()}
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
         def arms(pair: tuple[Arm, Arm] | None) -> list[dict[str, Any]] | None:
             return None if pair is None else [attrs.asdict(a) for a in pair]
         return {"options": attrs.asdict(self.options), "pd": arms(self.pd),
-                "offload": arms(self.offload), "startup_s": self.startup_s,
-                "ratios": self.ratios()}
+                "offload": arms(self.offload),
+                "offload_engine": None if self.offload_engine is None
+                else attrs.asdict(self.offload_engine),
+                "startup_s": self.startup_s, "ratios": self.ratios()}
 
     def ratios(self) -> dict[str, dict[int, float]]:
         """kvspec / vLLM per length: hand-off time to first token, the offload hit's total
@@ -106,6 +136,13 @@ class VllmBenchResult:
             out["offload_ttft"] = {n: k.ttft_ms[n] / v.ttft_ms[n] for n in v.ttft_ms}
             out["offload_own_x_smaller"] = {n: v.own_ms[n] / max(k.own_ms[n], 1e-3)
                                             for n in v.own_ms}
+            if v.hook_us and k.hook_us:
+                vh, kh = v.own_hook_us, k.own_hook_us
+                out["offload_hook_x_smaller"] = {n: vh[n] / max(kh[n], 1.0) for n in vh}
+            if self.offload_engine is not None:
+                vn, kn = self.net_ms(v), self.net_ms(k)
+                # 10 us: below that a net part is noise, not a divisor
+                out["offload_net_x_smaller"] = {n: vn[n] / max(kn[n], 0.01) for n in vn}
         return out
 
     def lines(self) -> list[str]:
@@ -139,6 +176,26 @@ class VllmBenchResult:
         if "offload_own_x_smaller" in ratios:
             out.append("  connector part, ExampleConnector / kvspec offload: " + ", ".join(
                 f"{n}: {x:.1f}x" for n, x in ratios["offload_own_x_smaller"].items()))
+        ref = self.offload_engine
+        if ref is not None and self.offload is not None:
+            out.append(f"  engine only ({ref.name}): hit TTFT " + ", ".join(
+                f"{n}: {t:.2f} ms" for n, t in ref.ttft_ms.items()) + "; its part " + ", ".join(
+                f"{n}: {t:.2f} ms" for n, t in ref.own_ms.items())
+                + f" (no-work prompt {ref.no_work_ms:.2f} ms)")
+            for a in self.offload:
+                out.append(f"  net connector part (minus the engine's), {a.name}: " + ", ".join(
+                    f"{n}: {t:.2f} ms" for n, t in self.net_ms(a).items()))
+            out.append("  net connector part, ExampleConnector / kvspec offload: " + ", ".join(
+                f"{n}: {x:.1f}x" for n, x in ratios["offload_net_x_smaller"].items()))
+        if "offload_hook_x_smaller" in ratios and self.offload is not None:
+            out.append("  time inside the connector's hooks per request (us), hit minus the "
+                       "no-work prompt's:")
+            for a in self.offload:
+                out.append(f"    {a.name}: " + ", ".join(
+                    f"{n}: {a.hook_us[n]:.0f} - {a.no_work_hook_us or 0:.0f} = {t:.0f}"
+                    for n, t in a.own_hook_us.items()))
+            out.append("  in-hook connector part, ExampleConnector / kvspec offload: " + ", ".join(
+                f"{n}: {x:.1f}x" for n, x in ratios["offload_hook_x_smaller"].items()))
         return out
 
 
@@ -228,6 +285,7 @@ def run_vllm_bench(options: VllmBenchOptions,
     fleet = _Fleet(say)
     pd: tuple[Arm, Arm] | None = None
     offload: tuple[Arm, Arm] | None = None
+    engine_only: Arm | None = None
     try:
         fleet.start("baseline", {})
         with tempfile.TemporaryDirectory(prefix="kvspec-bench-vllm-") as tmp:
@@ -239,12 +297,14 @@ def run_vllm_bench(options: VllmBenchOptions,
                 pd = _run_pd(fleet, options, [s[0] for s in specs])
             if "offload" in options.sections:
                 ospecs = _offload_specs(options.aa, Path(tmp))
-                for name, spec in ospecs:
+                for name, spec in [*ospecs, (ENGINE_ONLY, {"prefix_caching": True})]:
                     fleet.start(name, spec)
-                offload = _run_offload(fleet, options, [s[0] for s in ospecs])
+                *arms, engine_only = _run_offload(
+                    fleet, options, [s[0] for s in ospecs] + [ENGINE_ONLY])
+                offload = (arms[0], arms[1])
     finally:
         fleet.close()
-    return VllmBenchResult(options, pd, offload, fleet.startup)
+    return VllmBenchResult(options, pd, offload, fleet.startup, engine_only)
 
 
 def _baseline(fleet: _Fleet, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -285,15 +345,18 @@ def _run_pd(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> tuple[Arm, 
     return _arms(names, ttft, nowork, taken, same)
 
 
-def _run_offload(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> tuple[Arm, Arm]:
+def _run_offload(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> list[Arm]:
     ttft: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.offload_lengths}
                                                for n in names}
     nowork: dict[str, list[float]] = {n: [] for n in names}
     taken: dict[str, dict[int, int]] = {n: {} for n in names}
     same: dict[str, bool] = {n: True for n in names}
+    hooks: dict[str, dict[int, list[float]]] = {n: {k: [] for k in [*o.offload_lengths, 0]}
+                                                for n in names}  # 0: the no-work prompt
     for name in names:
         fleet.engines[name].resume()
         fleet.engines[name].call(f"{PROBES}:record_matches")
+        fleet.engines[name].call(f"{PROBES}:record_hook_time")
         fleet.engines[name].pause()
     for rnd in range(o.rounds + 1):
         prompts = _prompts(o.offload_lengths, 1000 + rnd)  # fresh prompts: pass 1 misses
@@ -305,26 +368,43 @@ def _run_offload(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> tuple[
             e = fleet.engines[name]
             fleet.only(name)
             e.generate(prompts, max_tokens=1)  # pass 1: stores
+            e.generate([_NO_WORK], max_tokens=_FLUSH_STEPS)  # its stores done and reported
             e.call(f"{PROBES}:matched_tokens")
             for i, (n, prompt) in enumerate(zip(o.offload_lengths, prompts)):
                 if rnd == 0:
                     out = e.generate([prompt], max_tokens=8)[0]
                     same[name] &= out["tokens"] == want[i]
-                    taken[name][n] = sum(e.call(f"{PROBES}:matched_tokens").values())
+                    taken[name][n] = (sum(e.call(f"{PROBES}:matched_tokens").values())
+                                      if name != ENGINE_ONLY else out["num_cached_tokens"])
                 else:
+                    e.call(f"{PROBES}:hook_time")  # clears
                     ttft[name][n].append(_timed(e, prompt))
+                    hooks[name][n].append(e.call(f"{PROBES}:hook_time"))
             if rnd:
+                e.call(f"{PROBES}:hook_time")
                 nowork[name].append(_timed(e, _NO_WORK))
-    return _arms(names, ttft, nowork, taken, same)
+                hooks[name][0].append(e.call(f"{PROBES}:hook_time"))
+    arms = _arm_list(names, ttft, nowork, taken, same)
+    return [attrs.evolve(a, hook_us={n: statistics.median(hooks[a.name][n])
+                                     for n in o.offload_lengths},
+                         no_work_hook_us=statistics.median(hooks[a.name][0]))
+            if a.name != ENGINE_ONLY else a for a in arms]
 
 
-def _arms(names: list[str], ttft: dict[str, dict[int, list[float]]],
-          nowork: dict[str, list[float]], taken: dict[str, dict[int, int]],
-          same: dict[str, bool]) -> tuple[Arm, Arm]:
+def _arm_list(names: list[str], ttft: dict[str, dict[int, list[float]]],
+              nowork: dict[str, list[float]], taken: dict[str, dict[int, int]],
+              same: dict[str, bool]) -> list[Arm]:
     out = []
     for name in names:
         base = statistics.median(nowork[name])
         med = {n: statistics.median(v) for n, v in ttft[name].items()}
         out.append(Arm(name, med, {n: t - base for n, t in med.items()}, base, taken[name],
                        same[name]))
-    return out[0], out[1]
+    return out
+
+
+def _arms(names: list[str], ttft: dict[str, dict[int, list[float]]],
+          nowork: dict[str, list[float]], taken: dict[str, dict[int, int]],
+          same: dict[str, bool]) -> tuple[Arm, Arm]:
+    first, second = _arm_list(names, ttft, nowork, taken, same)
+    return first, second

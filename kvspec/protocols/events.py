@@ -131,6 +131,7 @@ def _type_name(value: object) -> str:
 
 _BYTES = frozenset({bytes})
 _INT = frozenset({int})
+_STR = frozenset({str})
 
 
 def _check_hash(value: object, what: str) -> int | bytes:
@@ -361,6 +362,9 @@ _EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 
 def _freeze_counters(value: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    if (type(value) is dict and set(map(type, value)) <= _STR and "" not in value
+            and set(map(type, value.values())) <= _INT):  # the usual case: at C speed
+        return tuple(sorted(value.items()))
     if not isinstance(value, Mapping):
         raise InvalidArgumentError(
             f"counters is {value!r} ({_type_name(value)}); expected a mapping of counter "

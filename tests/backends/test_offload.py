@@ -765,6 +765,30 @@ def test_pool_store_and_load_are_byte_exact_on_every_path(
     assert set(changed) <= allowed  # no padding, no other block, no other byte (WRK-002)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_pool_cases())
+def test_pool_index_of_few_rows_equals_the_tensor_index(
+    case: tuple[KVCacheLayout, list[int], list[int]],
+) -> None:
+    """A plan of few rows builds its index in Python; it is the index the tensor ops
+    build, row for row, on every path."""
+    from kvspec.backends.offload import _pool
+
+    layout, ids, slots = case
+    storage = torch.zeros(layout.span_bytes, dtype=torch.uint8)
+    layer0 = storage.view(layout.dtype)[: layout.span_elems] if layout.dtype != torch.uint8 \
+        else storage
+    pool = HostPool(layer0, layout, layout.num_blocks, 1 << 40)
+    plan = pool.plan(ids, slots)
+    small = pool._index(plan)
+    saved, _pool._SMALL = _pool._SMALL, -1
+    try:
+        tensor = pool._index(plan)
+    finally:
+        _pool._SMALL = saved
+    assert small.dtype == tensor.dtype == torch.int64 and torch.equal(small, tensor)
+
+
 def test_pool_plan_checks_ids_slots_and_lengths() -> None:
     layout = KVCacheLayout.contiguous(StrideOrder.BLNHC, KVPacking.CONCAT, torch.float32,
                                       2, 6, BS, 1, 4, block_capacity=8)

@@ -53,3 +53,12 @@ def test_bench_vllm_compares_offload_with_vllms_example_connector() -> None:
     assert ours["tokens_taken"] == example["tokens_taken"] == {"80": 64, "144": 128, "272": 256}
     assert set(result["ratios"]["offload_ttft"]) == {"80", "144", "272"}
     assert "starting engine vLLM ExampleConnector" in proc.stderr
+    # the engine-only reference: vLLM's prefix cache hits the same blocks, no connector
+    engine = result["offload_engine"]
+    assert engine["name"] == "vLLM prefix cache, no connector" and engine["same_tokens"]
+    assert engine["tokens_taken"] == {"80": 64, "144": 128, "272": 256}
+    assert set(result["ratios"]["offload_net_x_smaller"]) == {"80", "144", "272"}
+    # time inside each connector's hooks: a hit does more there than the no-work prompt
+    for arm in (example, ours):
+        assert arm["no_work_hook_us"] > 0
+        assert all(arm["hook_us"][n] > arm["no_work_hook_us"] for n in ("144", "272"))

@@ -86,6 +86,10 @@ def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
 
 
+_SMALL = 128
+"""Up to this many rows, ``HostPool._index`` computes them in Python."""
+
+
 def _runs(slots: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
     """``(first slot, first job position, length)`` of each run of consecutive slots."""
     n = len(slots)
@@ -190,6 +194,7 @@ class HostPool:
             self._view = kv[base: base + layout.span_bytes // w]
             self.entries_per_block = self.regions_per_block * rows
         self._stride_entries = stride // (r if self.path == "rows" else w)
+        self._bases_list: list[int] = self._bases.tolist()
         self._arange = torch.arange(rows, dtype=torch.int64)
         host = self.host.view(dtype)
         self._host = host.view(-1, rows) if self.path != "elements" else host.view(-1)
@@ -237,6 +242,12 @@ class HostPool:
     def _index(self, plan: CopyPlan) -> torch.Tensor:
         """The index into ``path``'s view of the KV caches: ``entries_per_block`` entries
         per block (its regions' rows, or their elements), in job order."""
+        if self.path == "rows" and len(plan.block_ids) * len(self._bases_list) <= _SMALL:
+            # A few rows: their numbers in Python and one tensor, instead of three tensor
+            # ops that each cost more than the arithmetic.
+            s, bases = self._stride_entries, self._bases_list
+            return _int64_tensor([b * s + base for b in plan.block_ids for base in bases]
+                                 ).to(self.device)
         index = _int64_tensor(plan.block_ids)
         if self.path != "block":
             index = torch.add(self._bases, index.unsqueeze(1), alpha=self._stride_entries)

@@ -826,6 +826,8 @@ class OffloadScheduler(SchedulerConnector):
         ids: Sequence[int] = block_ids[start:full]
         new = set(keys)
         if len(new) != len(keys) or not (storing.isdisjoint(new) and index.keys().isdisjoint(new)):
+            if index.keys() >= new:  # all stored already: a request that hit finishing
+                return False
             # some block repeated, being stored or stored: keep the first of the others
             new = set()
             kept = []

@@ -430,7 +430,9 @@ class OffloadWorker(WorkerConnector):
         return stream
 
     def _copy(self, pool: HostPool, plan: CopyPlan, store: bool,
-              event: torch.cuda.Event | None) -> None:
+              event: torch.cuda.Event | None) -> int:
+        """Run the copy, complete on return; return how long it took, in microseconds
+        (at least 1), for the caller's counters."""
         start = time.perf_counter()
         stream = self._on_stream(event)
         if stream is None:
@@ -439,8 +441,7 @@ class OffloadWorker(WorkerConnector):
             with torch.cuda.stream(stream):
                 pool.store(plan) if store else pool.load(plan)
             stream.synchronize()  # complete before reported
-        micros = int((time.perf_counter() - start) * 1e6)
-        self._count(**{"store_copy_us" if store else "load_copy_us": max(1, micros)})
+        return max(1, int((time.perf_counter() - start) * 1e6))
 
     def _late(self, j: _Job) -> bool:
         """True (and logged) when ``j`` was cancelled while its copy ran: its request was
@@ -460,14 +461,14 @@ class OffloadWorker(WorkerConnector):
             tags[s] = -1  # invalid until the copy completes
         if self._faults.fail_stores:
             raise RuntimeError("store failed by the fault plan (kvspec.faults)")
-        self._copy(pool, plan, True, event)
+        micros = self._copy(pool, plan, True, event)
         if self._late(j):  # reported failed: its slots stay invalid
-            self._count(store_failures=len(job))
+            self._count(store_copy_us=micros, store_failures=len(job))
             return job.block_ids
         for s, t in zip(job.slots, job.tags):
             tags[s] = t
         n = len(job)
-        self._count(blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
+        self._count(store_copy_us=micros, blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
         return ()
 
     def _load(self, pool: HostPool, j: _Job, plan: CopyPlan | None,
@@ -487,13 +488,13 @@ class OffloadWorker(WorkerConnector):
                 bad = set(failed)
                 keep = [(b, s) for b, s in zip(job.block_ids, slots) if b not in bad]
                 plan = pool.plan([b for b, _ in keep], [s for _, s in keep]) if keep else None
-        if plan is not None:
-            self._copy(pool, plan, False, event)
+        timed = ({"load_copy_us": self._copy(pool, plan, False, event)}
+                 if plan is not None else {})
         if self._late(j):
-            self._count(load_failures=len(job))
+            self._count(**timed, load_failures=len(job))
             return job.block_ids
         good = len(job) - len(failed)
-        self._count(blocks_loaded=good, bytes_loaded=good * pool.bytes_per_block,
+        self._count(**timed, blocks_loaded=good, bytes_loaded=good * pool.bytes_per_block,
                     load_failures=len(failed))
         return tuple(failed)
 
