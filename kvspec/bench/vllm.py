@@ -12,7 +12,8 @@ within each round, and medians are taken over rounds.
   vLLM's P/D proxy passes them. Timed: the decode request's time to its first token. The
   same decode engine's time for a short prompt that gives the connector nothing to do is
   subtracted to give the connector's part (the transfer and the steps it costs).
-* **Offload hit**: one engine per arm, vLLM's ``ExampleConnector`` (files on local disk)
+* **Offload hit**: one engine per arm, vLLM's ``ExampleConnector`` (files, on a tmpfs
+  where there is one)
   against ``KVSpecConnector`` with kvspec's offload backend in its synchronous-load mode
   (``SyncLoadOffloadConnector``, loads done in the step, as ExampleConnector's). Each round
   uses fresh prompts: pass 1 stores, then an untimed request of the short prompt lets the
@@ -30,6 +31,7 @@ takes are counted at its ``get_num_new_matched_tokens``. No vLLM import here.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -173,8 +175,10 @@ class VllmBenchResult:
                 f"{a.name} {a.no_work_ms:.2f} ms" for a in pair))
             out.append("  tokens equal the no-connector engine's: " + ", ".join(
                 f"{a.name} {'yes' if a.same_tokens else 'NO'}" for a in pair))
+        pair_name = ("" if self.offload is None
+                     else f"{self.offload[0].name} / {self.offload[1].name}")
         if "offload_own_x_smaller" in ratios:
-            out.append("  connector part, ExampleConnector / kvspec offload: " + ", ".join(
+            out.append(f"  connector part, {pair_name}: " + ", ".join(
                 f"{n}: {x:.1f}x" for n, x in ratios["offload_own_x_smaller"].items()))
         ref = self.offload_engine
         if ref is not None and self.offload is not None:
@@ -185,7 +189,7 @@ class VllmBenchResult:
             for a in self.offload:
                 out.append(f"  net connector part (minus the engine's), {a.name}: " + ", ".join(
                     f"{n}: {t:.2f} ms" for n, t in self.net_ms(a).items()))
-            out.append("  net connector part, ExampleConnector / kvspec offload: " + ", ".join(
+            out.append(f"  net connector part, {pair_name}: " + ", ".join(
                 f"{n}: {x:.1f}x" for n, x in ratios["offload_net_x_smaller"].items()))
         if "offload_hook_x_smaller" in ratios and self.offload is not None:
             out.append("  time inside the connector's hooks per request (us), hit minus the "
@@ -194,7 +198,7 @@ class VllmBenchResult:
                 out.append(f"    {a.name}: " + ", ".join(
                     f"{n}: {a.hook_us[n]:.0f} - {a.no_work_hook_us or 0:.0f} = {t:.0f}"
                     for n, t in a.own_hook_us.items()))
-            out.append("  in-hook connector part, ExampleConnector / kvspec offload: " + ", ".join(
+            out.append(f"  in-hook connector part, {pair_name}: " + ", ".join(
                 f"{n}: {x:.1f}x" for n, x in ratios["offload_hook_x_smaller"].items()))
         return out
 
@@ -288,7 +292,10 @@ def run_vllm_bench(options: VllmBenchOptions,
     engine_only: Arm | None = None
     try:
         fleet.start("baseline", {})
-        with tempfile.TemporaryDirectory(prefix="kvspec-bench-vllm-") as tmp:
+        # ExampleConnector's files in memory where there is a tmpfs: writing them back to
+        # a disk would run kernel threads on the cores the next arm is timed on.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        with tempfile.TemporaryDirectory(prefix="kvspec-bench-vllm-", dir=shm) as tmp:
             if "pd" in options.sections:
                 specs = _pd_specs(options.aa)
                 for name, p, d, penv, denv in specs:

@@ -246,8 +246,8 @@ class HostPool:
             # A few rows: their numbers in Python and one tensor, instead of three tensor
             # ops that each cost more than the arithmetic.
             s, bases = self._stride_entries, self._bases_list
-            return _int64_tensor([b * s + base for b in plan.block_ids for base in bases]
-                                 ).to(self.device)
+            index = _int64_tensor([b * s + base for b in plan.block_ids for base in bases])
+            return index if self.device.type == "cpu" else index.to(self.device)
         index = _int64_tensor(plan.block_ids)
         if self.path != "block":
             index = torch.add(self._bases, index.unsqueeze(1), alpha=self._stride_entries)

@@ -77,7 +77,9 @@ class _Job:
         self.plan = plan
         self.remaining = len(job)  # blocks of a queued layerwise store not yet in the pool
         self.deadline = time.monotonic() + timeout_s
-        self.cancelled = threading.Event()
+        # Set by the engine's thread, read by the copy's (a bool: reads and writes of an
+        # attribute are atomic, and nothing waits on it).
+        self.cancelled = False
         self.lock = threading.Lock()
         self.future: concurrent.futures.Future[tuple[int, ...]] | None = None
 
@@ -214,7 +216,7 @@ class OffloadWorker(WorkerConnector):
             self._fail_store(j)
             return
         try:
-            if pool is None or self._closing.is_set() or j.cancelled.is_set():
+            if pool is None or self._closing.is_set() or j.cancelled:
                 self._fail_store(j)
                 return
             plan = pool.plan(job.block_ids[start:end], job.slots[start:end])
@@ -255,7 +257,7 @@ class OffloadWorker(WorkerConnector):
             entry = self._save_queue[0]
             j, start = entry
             job: TransferJob = j.job
-            if j.cancelled.is_set() or (j.future is not None and j.future.done()):
+            if j.cancelled or (j.future is not None and j.future.done()):
                 self._save_queue.popleft()
                 continue
             end = min(len(job), start + stage.size - len(ids))
@@ -392,7 +394,7 @@ class OffloadWorker(WorkerConnector):
         """Run one job; return the block ids that failed."""
         pool = self.pool
         job = j.job
-        if pool is None or self._closing.is_set() or j.cancelled.is_set():
+        if pool is None or self._closing.is_set() or j.cancelled:
             return job.block_ids
         delay = max(self._settings.load_delay_s if job.is_load else 0.0, self._faults.delay_s)
         if delay:
@@ -400,7 +402,7 @@ class OffloadWorker(WorkerConnector):
         if not j.lock.acquire(timeout=_LOCK_TIMEOUT_S):  # every wait is bounded (WRK-014)
             return job.block_ids
         try:
-            if self._closing.is_set() or j.cancelled.is_set():
+            if self._closing.is_set() or j.cancelled:
                 return job.block_ids
             if job.is_load:
                 return self._load(pool, j, j.plan, event)
@@ -446,7 +448,7 @@ class OffloadWorker(WorkerConnector):
     def _late(self, j: _Job) -> bool:
         """True (and logged) when ``j`` was cancelled while its copy ran: its request was
         already reported failed."""
-        if not j.cancelled.is_set():
+        if not j.cancelled:
             return False
         _log.warning("rank %d: the %s of request %s ended after its deadline; it had been "
                      "reported failed", self._rank, "load" if j.job.is_load else "store",
@@ -502,7 +504,7 @@ class OffloadWorker(WorkerConnector):
         """Cancel ``j`` without waiting: a copy not started never starts; one running is
         left to end on its own (its result is discarded, ``_late``) and wedges the
         worker until then."""
-        j.cancelled.set()
+        j.cancelled = True
         if j.future is not None:
             j.future.cancel()
         if j.lock.acquire(blocking=False):  # not running: it never will now
@@ -679,7 +681,7 @@ class OffloadWorker(WorkerConnector):
     def _to_background(self, parts: list[tuple[_Job, int, int]]) -> None:
         executor = self._executor
         for j, start, end in parts:
-            if executor is None or j.cancelled.is_set():
+            if executor is None or j.cancelled:
                 self._fail_store(j)
             else:
                 executor.submit(self._store_range, j, start, end)
@@ -709,7 +711,7 @@ class OffloadWorker(WorkerConnector):
         """Stop a store queued for the per-layer hooks (the forwards that would gather it
         come after the preempted blocks are reused): no later range starts, and a range the
         background thread copies now is waited for, up to the job's deadline."""
-        j.cancelled.set()
+        j.cancelled = True
         if j.lock.acquire(timeout=max(0.0, j.deadline - time.monotonic())):
             j.lock.release()
         else:
