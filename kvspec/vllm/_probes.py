@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
-__all__ = ["hook_time", "matched_tokens", "record_hook_time", "record_matches"]
+__all__ = ["collect", "hook_time", "matched_tokens", "record_hook_time", "record_matches"]
 
 # The per-step hooks vLLM calls on a connector (scheduler side, then worker side) whose time
 # ``record_hook_time`` adds up; the names any V1 connector has, whoever wrote it.
@@ -114,3 +115,10 @@ def hook_time(llm: Any, clear: bool = True) -> float:
     if clear:
         total[0] = 0
     return out
+
+
+def collect(llm: Any) -> int:
+    """Run a full garbage collection, so that the next timed request starts from the same
+    collector state in every arm (a collection that would fall inside one request of one
+    arm measures the collector, not the connector); returns what it freed."""
+    return gc.collect()
