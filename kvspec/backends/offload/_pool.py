@@ -227,9 +227,10 @@ class HostPool:
                 f"[0, num_blocks={self.num_blocks})", clause="LAY-012",
             )
         runs = _runs(slot_tuple) if checked or set(map(type, slot_tuple)) <= {int} else ()
-        if not runs or min(s for s, _, _ in runs) < 0 or max(s + n for s, _, n in runs) > (
-            self.slots
-        ):
+        if not runs or (runs[0][0] < 0 or runs[0][0] + runs[0][2] > self.slots
+                        if len(runs) == 1  # the usual plan: one run, two comparisons
+                        else min(s for s, _, _ in runs) < 0
+                        or max(s + n for s, _, n in runs) > self.slots):
             bad = next(s for s in slot_tuple if type(s) is not int or not 0 <= s < self.slots)
             raise OffloadCapacityError(
                 f"slot {bad!r} is outside the host pool [0, {self.slots}); the scheduler "
@@ -266,8 +267,9 @@ class HostPool:
         staging buffer when the KV caches are not on the host)."""
         k = self.entries_per_block
         entries = self._index(plan)
+        whole = len(plan.runs) == 1  # one run: its index is the whole index
         for slot, pos, n in plan.runs:
-            index = entries[pos * k:(pos + n) * k]
+            index = entries if whole else entries[pos * k:(pos + n) * k]
             dst = self._host_rows(slot, n)
             if self.device.type == "cpu":
                 torch.index_select(self._view, 0, index, out=dst)
@@ -279,8 +281,9 @@ class HostPool:
         scatter per run of consecutive slots, straight from the pool's rows."""
         k = self.entries_per_block
         entries = self._index(plan)
+        whole = len(plan.runs) == 1
         for slot, pos, n in plan.runs:
-            index = entries[pos * k:(pos + n) * k]
+            index = entries if whole else entries[pos * k:(pos + n) * k]
             src = self._host_rows(slot, n)
             if self.device.type != "cpu":
                 src = src.to(self.device, non_blocking=True)
