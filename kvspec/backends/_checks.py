@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvspec.protocols import AllocatedBlocks, KVConnectorOutput, SchedulerOutputView
-from kvspec.protocols._argchecks import check_count, check_instance, check_request
+from kvspec.protocols._argchecks import as_ints, check_count, check_instance, check_request
 
 __all__ = ["check_block_ids", "check_blocks", "check_count", "check_output", "check_request",
            "check_scheduler_output"]
@@ -40,12 +40,9 @@ def check_block_ids(block_ids: object, num_blocks: int) -> tuple[int, ...]:
     ``[0, num_blocks)``: one msgspec pass at C speed for a list or tuple. Otherwise the
     error ``AllocatedBlocks`` and its budget check raise: InvalidBlockIdError (ERR-003,
     LAY-012)."""
-    if type(block_ids) is tuple or type(block_ids) is list:
-        try:
-            out: tuple[int, ...] = msgspec.convert(block_ids, _in_budget(num_blocks))
-            return out
-        except msgspec.ValidationError:
-            pass
+    checked = as_ints(block_ids, _in_budget(num_blocks))
+    if checked is not None:
+        return checked
     blocks = AllocatedBlocks.single(block_ids)  # type: ignore[arg-type]
     blocks.check_budget(num_blocks)
     return blocks.block_ids(0)

@@ -12,8 +12,9 @@ three alike. A ratio of 1.0 means the backend moves
 blocks as fast as a plain ``memcpy`` of the same size.
 
 Separately, ``measure_step_overhead`` times the per-step work outside the copies for a
-number of blocks: the scheduler role planning a store and building the metadata, encoding
-and decoding it, and the worker's planning of the job.
+number of blocks: the scheduler role planning a store or load and building the metadata,
+encoding and decoding it, the worker's planning of the job, the scheduler's handling of the
+finished job and the events it then hands out (vLLM takes them every step).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ from typing import TypeVar
 
 from .errors import InvalidArgumentError
 from .views import RequestView, _nonneg
+from .views import _as_ints as as_ints  # one msgspec pass over a list of ints
 
-__all__ = ["check_count", "check_instance", "check_request"]
+__all__ = ["as_ints", "check_count", "check_instance", "check_request"]
 
 T = TypeVar("T")
 

@@ -47,17 +47,22 @@ _BULK = 16
 _NONNEG_INTS = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 
 
+def _as_ints(values: object, schema: Any, *, at_least: int = 0) -> tuple[int, ...] | None:
+    """``values`` as a tuple when it is a list or tuple of at least ``at_least`` values that
+    ``schema`` (a msgspec tuple-of-ints type, with its bounds) accepts, checked in one pass
+    at C speed; else None: the callers' own checks then decide, and say what is wrong."""
+    if (type(values) is not tuple and type(values) is not list) or len(values) < at_least:
+        return None
+    try:
+        out: tuple[int, ...] = msgspec.convert(values, schema)
+    except msgspec.ValidationError:
+        return None
+    return out
+
+
 def _nonneg_bulk(values: object) -> tuple[int, ...] | None:
-    """``values`` as a tuple when it is a list or tuple of at least ``_BULK`` ints >= 0,
-    checked in one pass at C speed; else None (the callers' own checks then decide, and
-    say what is wrong)."""
-    if type(values) is tuple or type(values) is list:
-        if len(values) >= _BULK:
-            try:
-                return msgspec.convert(values, _NONNEG_INTS)
-            except msgspec.ValidationError:
-                return None
-    return None
+    """``values`` as a tuple when it is a list or tuple of at least ``_BULK`` ints >= 0."""
+    return _as_ints(values, _NONNEG_INTS, at_least=_BULK)
 
 
 def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
