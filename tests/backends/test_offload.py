@@ -733,13 +733,19 @@ def _pool_cases(draw: st.DrawFn) -> tuple[KVCacheLayout, list[int], list[int]]:
     return layout, list(ids), list(slots)
 
 
+@pytest.mark.parametrize("few", [0, 1 << 30], ids=["indexed", "memmove"])
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(_pool_cases())
+@given(case=_pool_cases())
 def test_pool_store_and_load_are_byte_exact_on_every_path(
-    case: tuple[KVCacheLayout, list[int], list[int]],
+    case: tuple[KVCacheLayout, list[int], list[int]], few: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Any layout (every path and element width), any blocks, any slot order: a store then
-    a load into other blocks moves exactly each block's bytes and touches nothing else."""
+    a load into other blocks moves exactly each block's bytes and touches nothing else,
+    with the indexed tensor copies and with the per-region moves of few-block jobs."""
+    from kvspec.backends.offload import _pool
+
+    monkeypatch.setattr(_pool, "_FEW", few)
     layout, ids, slots = case
     storage = torch.randint(0, 256, (layout.span_bytes,), dtype=torch.uint8)
     layer0 = storage.view(layout.dtype)[: layout.span_elems] if layout.dtype != torch.uint8 \

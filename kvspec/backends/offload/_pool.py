@@ -14,7 +14,11 @@ byte offset: PyTorch's indexed copies move one element per inner-loop step, so c
 memory speed. Bytes are copied, never interpreted (no arithmetic, no NaN canonicalisation).
 
 A job is planned once, on the engine's thread (``HostPool.plan``): the range checks and
-the runs of consecutive slots. The copy (``HostPool.store``, ``HostPool.load``, on the
+the runs of consecutive slots. A job of few regions on the host (at most ``_FEW``: a
+prefix hit of a few blocks) is moved region by region with ``ctypes.memmove`` between the
+addresses the plan's checked ids give: each PyTorch op costs microseconds of dispatch,
+more than copying a 16 KiB region, and tens of microseconds in an engine step whose
+forward just evicted the caches. Any other job (``HostPool.store``, ``HostPool.load``, on the
 worker's background thread) builds the index of the regions to move, with a few
 vectorised ops, and moves each run with one indexed op per direction, never a Python loop
 over layers or blocks: ``index_select`` into the pool's rows (store) and ``index_copy_``
@@ -39,6 +43,7 @@ hands out the lowest slots first), so a job is usually one run.
 from __future__ import annotations
 
 import array
+import ctypes
 from collections.abc import Sequence
 
 import attrs
@@ -88,6 +93,9 @@ def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
 
 _SMALL = 128
 """Up to this many rows, ``HostPool._index`` computes them in Python."""
+
+_FEW = 64
+"""Up to this many regions, a host-memory job is moved with one ``memmove`` per region."""
 
 
 def _runs(slots: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
@@ -198,6 +206,14 @@ class HostPool:
         self._arange = torch.arange(rows, dtype=torch.int64)
         host = self.host.view(dtype)
         self._host = host.view(-1, rows) if self.path != "elements" else host.view(-1)
+        # For the few-region moves: the tensors (held, so the addresses stay valid while a
+        # move runs, even across ``release``), layer 0's first byte, the pool's first byte.
+        self._addrs: tuple[torch.Tensor, torch.Tensor, int, int] | None = (
+            (whole, self.host, whole.data_ptr() + start, self.host.data_ptr())
+            if self.device.type == "cpu" else None
+        )
+        self._byte_bases = bases
+        self._stride_bytes = stride
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -261,10 +277,34 @@ class HostPool:
         k = self.entries_per_block
         return self._host[slot * k:(slot + n) * k]
 
+    def _moves(self, plan: CopyPlan, store: bool) -> bool:
+        """Move a host-memory plan of at most ``_FEW`` regions with one ``memmove`` per
+        region, in the pool's region order; False (nothing moved) for any other plan. The
+        plan's ids and slots were range-checked by ``plan``, so every address is inside
+        the KV buffer (checked at construction, LAY-008) or the pool."""
+        addrs = self._addrs
+        if addrs is None or len(plan.block_ids) * self.regions_per_block > _FEW:
+            return False
+        _, _, kv, host = addrs
+        move, r, stride, per = ctypes.memmove, self.region_nbytes, self._stride_bytes, \
+            self.bytes_per_block
+        for b, slot in zip(plan.block_ids, plan.slots):
+            at, h = kv + b * stride, host + slot * per
+            for base in self._byte_bases:
+                if store:
+                    move(h, at + base, r)
+                else:
+                    move(at + base, h, r)
+                h += r
+        return True
+
     def store(self, plan: CopyPlan) -> None:
-        """Copy the plan's blocks of the KV caches into its slots: build the index, then one
+        """Copy the plan's blocks of the KV caches into its slots: a few regions with
+        ``_moves``; else build the index, then one
         gather per run of consecutive slots, straight into the pool's rows (through a device
         staging buffer when the KV caches are not on the host)."""
+        if self._moves(plan, True):
+            return
         k = self.entries_per_block
         entries = self._index(plan)
         whole = len(plan.runs) == 1  # one run: its index is the whole index
@@ -277,8 +317,11 @@ class HostPool:
                 dst.copy_(self._view.index_select(0, index), non_blocking=True)
 
     def load(self, plan: CopyPlan) -> None:
-        """Copy the plan's slots into its blocks of the KV caches: build the index, then one
+        """Copy the plan's slots into its blocks of the KV caches: a few regions with
+        ``_moves``; else build the index, then one
         scatter per run of consecutive slots, straight from the pool's rows."""
+        if self._moves(plan, False):
+            return
         k = self.entries_per_block
         entries = self._index(plan)
         whole = len(plan.runs) == 1
@@ -292,5 +335,6 @@ class HostPool:
     def release(self) -> None:
         """Drop the references to the KV caches and the host memory (WRK-015)."""
         empty = torch.empty(0, dtype=torch.uint8)
+        self._addrs = None  # a move running now keeps its own reference
         self._view = self._arange = self._bases = self._host = empty
         self.host = empty.view(0, 0)

@@ -338,11 +338,12 @@ class OffloadWorker(WorkerConnector):
             event.record()  # the forward's KV writes so far
         timeout = self._settings.io_timeout_s
         wedged = self._wedged()
+        sync = self._settings.sync_loads
         for job, plan in zip((*meta.loads, *meta.stores), plans):  # loads first
-            j = _Job(job, plan, timeout)
-            if job.is_load and self._settings.sync_loads:  # here, now: never reported
-                self._sync_invalid.update(self._run(j, event))
+            if sync and job.is_load:  # here, now: never reported
+                self._sync_invalid.update(self._sync_load(pool, job, plan, event))
                 continue
+            j = _Job(job, plan, timeout)
             if wedged is not None:  # queued behind a stuck copy it would only time out
                 self._failed_job(job)
                 j.future = concurrent.futures.Future()
@@ -405,7 +406,7 @@ class OffloadWorker(WorkerConnector):
             if self._closing.is_set() or j.cancelled:
                 return job.block_ids
             if job.is_load:
-                return self._load(pool, j, j.plan, event)
+                return self._load(pool, j, job, j.plan, event)
             assert j.plan is not None
             return self._store(pool, j, j.plan, event)
         except (KVSpecError, RuntimeError, ValueError) as e:
@@ -415,6 +416,24 @@ class OffloadWorker(WorkerConnector):
             return job.block_ids
         finally:
             j.lock.release()
+
+    def _sync_load(self, pool: HostPool, job: TransferJob, plan: CopyPlan | None,
+                   event: torch.cuda.Event | None) -> tuple[int, ...]:
+        """Run a synchronous load on the engine's thread, complete on return (WRK-004);
+        return the block ids that failed. Nothing else sees it, so it needs no ``_Job``:
+        no lock, deadline or cancellation."""
+        if self._closing.is_set():
+            return job.block_ids
+        delay = max(self._settings.load_delay_s, self._faults.delay_s)
+        if delay:
+            self._closing.wait(delay)  # returns early at shutdown
+        try:
+            return self._load(pool, None, job, plan, event)
+        except (KVSpecError, RuntimeError, ValueError) as e:
+            _log.warning("rank %d: load of request %s failed: %s", self._rank,
+                         job.request_id, str(e))
+            self._failed_job(job)
+            return job.block_ids
 
     def _failed_job(self, job: TransferJob) -> None:
         """Count a job that failed as a whole; a store's slots stay invalid."""
@@ -473,10 +492,10 @@ class OffloadWorker(WorkerConnector):
         self._count(store_copy_us=micros, blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
         return ()
 
-    def _load(self, pool: HostPool, j: _Job, plan: CopyPlan | None,
+    def _load(self, pool: HostPool, j: _Job | None, job: TransferJob, plan: CopyPlan | None,
               event: torch.cuda.Event | None) -> tuple[int, ...]:
+        """Load ``job`` (tracked as ``j``, or None for a synchronous load)."""
         tags = self._slot_tags
-        job = j.job
         rate = 1.0 if self._faults.fail_loads else self._settings.load_fault_rate
         slots = job.slots
         if min(slots) >= 0 and not rate and list(map(tags.__getitem__, slots)) == list(job.tags):
@@ -492,7 +511,7 @@ class OffloadWorker(WorkerConnector):
                 plan = pool.plan([b for b, _ in keep], [s for _, s in keep]) if keep else None
         timed = ({"load_copy_us": self._copy(pool, plan, False, event)}
                  if plan is not None else {})
-        if self._late(j):
+        if j is not None and self._late(j):
             self._count(**timed, load_failures=len(job))
             return job.block_ids
         good = len(job) - len(failed)
