@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
@@ -130,7 +130,7 @@ class StatsWire(KVConnectorStats):  # type: ignore[misc]
     (EVT-006). Rebuilt from ``data`` alone (vLLM's logger process), aggregation sums.
     """
 
-    def __init__(self, data: dict[str, Any] | None = None,
+    def __init__(self, data: Mapping[str, Any] | None = None,
                  kvspec: SupportsAggregate | None = None) -> None:
         super().__init__(data=dict(data or {}))
         self.kvspec = kvspec
@@ -140,8 +140,7 @@ class StatsWire(KVConnectorStats):  # type: ignore[misc]
         """Wrap a worker's stats; None stays None."""
         if stats is None:
             return None
-        counters = dict(stats.counters) if isinstance(stats, ConnectorStats) else {}
-        return cls(counters, stats)
+        return cls(stats.counters if isinstance(stats, ConnectorStats) else None, stats)
 
     def reset(self) -> None:
         """Forget every counter."""

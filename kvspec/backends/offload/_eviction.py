@@ -136,7 +136,11 @@ class LRUPolicy(EvictionPolicy):
         """Mark ``keys`` most recently used, the last one most; absent keys are ignored."""
         entries = self._entries
         try:
-            deque(map(entries.move_to_end, keys), maxlen=0)  # at C speed
+            if len(keys) <= 8:  # a few: a plain loop costs less than building the deque
+                for key in keys:
+                    entries.move_to_end(key)
+            else:
+                deque(map(entries.move_to_end, keys), maxlen=0)  # at C speed
         except KeyError:  # an absent key: again, skipping those (the order comes out the same)
             for key in keys:
                 if key in entries:

@@ -35,6 +35,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping
+from operator import eq
 from typing import Any
 
 import torch
@@ -363,6 +364,8 @@ class OffloadWorker(WorkerConnector):
     def _wedged(self) -> _Job | None:
         """A timed-out job whose copy still runs (the background thread is stuck in it),
         or None; forgets those that ended."""
+        if not self._stuck:
+            return None
         self._stuck = [j for j in self._stuck if j.lock.locked()]
         return self._stuck[0] if self._stuck else None
 
@@ -387,9 +390,12 @@ class OffloadWorker(WorkerConnector):
     # -- transfers (background thread) ------------------------------------------------------
 
     def _count(self, **counts: int) -> None:
+        """Add ``counts`` to the step's counters (zeros are not counted)."""
         with self._stats_lock:
+            counters = self._counters
             for name, n in counts.items():
-                self._counters[name] = self._counters.get(name, 0) + n
+                if n:
+                    counters[name] = counters.get(name, 0) + n
 
     def _run(self, j: _Job, event: torch.cuda.Event | None) -> tuple[int, ...]:
         """Run one job; return the block ids that failed."""
@@ -455,10 +461,11 @@ class OffloadWorker(WorkerConnector):
         """Run the copy, complete on return; return how long it took, in microseconds
         (at least 1), for the caller's counters."""
         start = time.perf_counter()
-        stream = self._on_stream(event)
-        if stream is None:
+        if self._stream is None:
             pool.store(plan) if store else pool.load(plan)
         else:
+            stream = self._on_stream(event)
+            assert stream is not None
             with torch.cuda.stream(stream):
                 pool.store(plan) if store else pool.load(plan)
             stream.synchronize()  # complete before reported
@@ -498,7 +505,7 @@ class OffloadWorker(WorkerConnector):
         tags = self._slot_tags
         rate = 1.0 if self._faults.fail_loads else self._settings.load_fault_rate
         slots = job.slots
-        if min(slots) >= 0 and not rate and list(map(tags.__getitem__, slots)) == list(job.tags):
+        if not rate and min(slots) >= 0 and all(map(eq, map(tags.__getitem__, slots), job.tags)):
             failed: list[int] = []  # the common case: every slot holds what the job expects
         else:
             failed = [
@@ -509,14 +516,13 @@ class OffloadWorker(WorkerConnector):
                 bad = set(failed)
                 keep = [(b, s) for b, s in zip(job.block_ids, slots) if b not in bad]
                 plan = pool.plan([b for b, _ in keep], [s for _, s in keep]) if keep else None
-        timed = ({"load_copy_us": self._copy(pool, plan, False, event)}
-                 if plan is not None else {})
+        micros = self._copy(pool, plan, False, event) if plan is not None else 0
         if j is not None and self._late(j):
-            self._count(**timed, load_failures=len(job))
+            self._count(load_copy_us=micros, load_failures=len(job))
             return job.block_ids
         good = len(job) - len(failed)
-        self._count(**timed, blocks_loaded=good, bytes_loaded=good * pool.bytes_per_block,
-                    load_failures=len(failed))
+        self._count(load_copy_us=micros, blocks_loaded=good,
+                    bytes_loaded=good * pool.bytes_per_block, load_failures=len(failed))
         return tuple(failed)
 
     def _cancel(self, j: _Job) -> None:
@@ -635,7 +641,7 @@ class OffloadWorker(WorkerConnector):
         the last call, or None (EVT-006)."""
         with self._stats_lock:
             counters, self._counters = self._counters, {}
-        return ConnectorStats(counters) if any(counters.values()) else None
+        return ConnectorStats(counters) if counters else None  # zeros are never counted
 
     def build_connector_worker_meta(self) -> SupportsAggregate | None:
         """The stores that failed since the last call (``FailedStores``), or None
