@@ -450,6 +450,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     vb.add_argument("--rounds", type=_positive_int, default=7, metavar="N",
                     help="rounds to take medians over (default 7)")
+    vb.add_argument("--hit-repeats", type=_positive_int, default=3, metavar="N",
+                    help="offload hits per prompt and round, each from a cold start "
+                         "(default 3)")
     vb.add_argument("--only", choices=("pd", "offload"),
                     help="run one comparison only")
     vb.add_argument("--aa", action="store_true",
@@ -730,7 +733,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         return _no_vllm("bench vllm")
     if args.svg and (_unwritable("--svg", args.svg) or _no_matplotlib()):
         return 2
-    options = VllmBenchOptions(rounds=args.rounds, aa=args.aa,
+    options = VllmBenchOptions(rounds=args.rounds, aa=args.aa, hit_repeats=args.hit_repeats,
                                sections=(args.only,) if args.only else ("pd", "offload"))
     try:
         result = run_vllm_bench(options)

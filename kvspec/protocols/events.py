@@ -414,6 +414,15 @@ class ConnectorStats:
         alias="counters", factory=dict, converter=_freeze_counters
     )
 
+    @classmethod
+    def _of_ints(cls, counters: dict[str, int]) -> Self:
+        """Stats of int counters a backend keeps under names it wrote itself, without
+        checking them again: for a worker's per-step stats. Not for anything that comes
+        from a connector or a peer."""
+        stats = object.__new__(cls)
+        object.__setattr__(stats, "_items", tuple(sorted(counters.items())))
+        return stats
+
     @property
     def counters(self) -> Mapping[str, float]:
         """A read-only view of the counters, keyed by name (sorted)."""

@@ -140,7 +140,10 @@ class StatsWire(KVConnectorStats):  # type: ignore[misc]
         """Wrap a worker's stats; None stays None."""
         if stats is None:
             return None
-        return cls(stats.counters if isinstance(stats, ConnectorStats) else None, stats)
+        wire = cls.__new__(cls)  # what __init__ sets, without the dataclass machinery
+        wire.data = dict(stats.counters) if isinstance(stats, ConnectorStats) else {}
+        wire.kvspec = stats
+        return wire
 
     def reset(self) -> None:
         """Forget every counter."""

@@ -44,9 +44,11 @@ def test_bench_vllm_adapter_prints_each_part() -> None:
 def test_bench_vllm_compares_offload_with_vllms_example_connector() -> None:
     """One round of the offload comparison, as a user runs it: both arms take the same
     tokens from their connector and generate the no-connector engine's tokens."""
-    proc = _kvspec("bench", "vllm", "--only", "offload", "--rounds", "1", "--json")
+    proc = _kvspec("bench", "vllm", "--only", "offload", "--rounds", "1", "--hit-repeats", "2",
+                   "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
+    assert result["options"]["hit_repeats"] == 2 and result["options"]["rounds"] == 1
     example, ours = result["offload"]
     assert example["name"] == "vLLM ExampleConnector" and ours["name"] == "kvspec offload"
     assert example["same_tokens"] and ours["same_tokens"]

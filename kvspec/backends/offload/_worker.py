@@ -641,7 +641,8 @@ class OffloadWorker(WorkerConnector):
         the last call, or None (EVT-006)."""
         with self._stats_lock:
             counters, self._counters = self._counters, {}
-        return ConnectorStats(counters) if counters else None  # zeros are never counted
+        # Zeros are never counted; the names are the worker's own, the values ints.
+        return ConnectorStats._of_ints(counters) if counters else None
 
     def build_connector_worker_meta(self) -> SupportsAggregate | None:
         """The stores that failed since the last call (``FailedStores``), or None
