@@ -234,6 +234,19 @@ int_counters = st.dictionaries(
 )
 
 
+@settings(max_examples=100, deadline=None)
+@given(int_counters)
+def test_stats_of_a_backends_int_counters_equal_the_checked_constructors(
+    counters: dict[str, int],
+) -> None:
+    """The unchecked constructor a worker uses for its own counters builds the same value
+    (equal, same hash, same counters in the same order) as the checking one."""
+    fast, checked = ConnectorStats._of_ints(dict(counters)), ConnectorStats(counters)
+    assert fast == checked and hash(fast) == hash(checked)
+    assert list(fast.counters.items()) == list(checked.counters.items())
+    assert type(fast) is ConnectorStats
+
+
 @settings(max_examples=200, deadline=None)
 @given(int_counters, int_counters, int_counters)
 def test_stats_reduce_associative_and_commutative(
