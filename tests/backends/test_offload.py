@@ -747,11 +747,14 @@ def test_pool_store_and_load_are_byte_exact_on_every_path(
 
     monkeypatch.setattr(_pool, "_FEW", few)
     layout, ids, slots = case
+    regions = layout.block_region_offsets([layout.num_blocks - 1]).tolist()[0]
+    assert max(regions) + layout.region_nbytes <= layout.span_bytes  # raw moves stay inside
     storage = torch.randint(0, 256, (layout.span_bytes,), dtype=torch.uint8)
     layer0 = storage.view(layout.dtype)[: layout.span_elems] if layout.dtype != torch.uint8 \
         else storage
     pool = HostPool(layer0, layout, layout.num_blocks, 1 << 40)
     assert pool.path in ("block", "rows", "elements")
+    assert pool._addrs is not None  # host memory, every region inside: memmove may run
     regions = layout.block_region_offsets(list(range(layout.num_blocks))).tolist()
 
     def block(b: int, buf: torch.Tensor) -> bytes:

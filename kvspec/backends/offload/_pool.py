@@ -18,8 +18,8 @@ the runs of consecutive slots. A job of few regions on the host (at most ``_FEW`
 prefix hit of a few blocks) is moved region by region with ``ctypes.memmove`` between the
 addresses the plan's checked ids give: each PyTorch op costs microseconds of dispatch,
 more than copying a 16 KiB region, and tens of microseconds in an engine step whose
-forward just evicted the caches. Any other job (``HostPool.store``, ``HostPool.load``, on the
-worker's background thread) builds the index of the regions to move, with a few
+forward just evicted the caches. Any other job (``HostPool.store``, ``HostPool.load``,
+mostly on the worker's background thread) builds the index of the regions to move, with a few
 vectorised ops, and moves each run with one indexed op per direction, never a Python loop
 over layers or blocks: ``index_select`` into the pool's rows (store) and ``index_copy_``
 from them (load), on one of three paths (``HostPool.path``):
@@ -208,9 +208,12 @@ class HostPool:
         self._host = host.view(-1, rows) if self.path != "elements" else host.view(-1)
         # For the few-region moves: the tensors (held, so the addresses stay valid while a
         # move runs, even across ``release``), layer 0's first byte, the pool's first byte.
+        # Only where every region of every block id below num_blocks lies inside the
+        # buffer checked above (raw addresses have no bounds check of their own).
+        inside = (self.num_blocks - 1) * stride + max(bases) + r <= layout.span_bytes
         self._addrs: tuple[torch.Tensor, torch.Tensor, int, int] | None = (
             (whole, self.host, whole.data_ptr() + start, self.host.data_ptr())
-            if self.device.type == "cpu" else None
+            if self.device.type == "cpu" and inside else None
         )
         self._byte_bases = bases
         self._stride_bytes = stride
