@@ -6,7 +6,8 @@ being measured are stopped (SIGSTOP) so that, on a 2-core machine, an idle engin
 threads do not slow the measured one; every arm is treated the same way. Each timed request
 starts from a full garbage collection in its engine, so that a collection does not fall
 inside one arm's request and not the other's. Arms alternate
-within each round, and medians are taken over rounds.
+within each round, and medians are taken over rounds (and, for the offload hits, over the
+``hit_repeats`` cold hits of each round).
 
 * **P/D hand-off**: a prefill and a decode engine per arm, vLLM's ``NixlConnector`` against
   ``KVSpecConnector`` with kvspec's NIXL backend. The prefill engine runs each prompt with
@@ -386,12 +387,14 @@ def _run_offload(fleet: _Fleet, o: VllmBenchOptions, names: list[str]) -> list[A
             e.generate(prompts, max_tokens=1)  # pass 1: stores
             e.generate([_NO_WORK], max_tokens=_FLUSH_STEPS)  # its stores done and reported
             e.call(f"{PROBES}:matched_tokens")
-            for i, (n, prompt) in enumerate(zip(o.offload_lengths, prompts) if not rnd else ()):
-                out = e.generate([prompt], max_tokens=8)[0]  # warm-up: the token check
-                same[name] &= out["tokens"] == want[i]
-                taken[name][n] = (sum(e.call(f"{PROBES}:matched_tokens").values())
-                                  if name != ENGINE_ONLY else out["num_cached_tokens"])
-            for _ in range(o.hit_repeats if rnd else 0):
+            if not rnd:  # the warm-up round: the token check, nothing timed
+                for i, (n, prompt) in enumerate(zip(o.offload_lengths, prompts)):
+                    out = e.generate([prompt], max_tokens=8)[0]
+                    same[name] &= out["tokens"] == want[i]
+                    taken[name][n] = (sum(e.call(f"{PROBES}:matched_tokens").values())
+                                      if name != ENGINE_ONLY else out["num_cached_tokens"])
+                continue
+            for _ in range(o.hit_repeats):
                 for n, prompt in zip(o.offload_lengths, prompts):
                     e.call(f"{PROBES}:hook_time")  # clears
                     ttft[name][n].append(_timed(e, prompt))
