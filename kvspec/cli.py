@@ -21,6 +21,7 @@ from typing import Any
 from pathlib import Path
 
 from . import __version__
+from .protocols.errors import InvalidArgumentError, TransferTimeoutError
 from .spec import CLAUSES, ENGINE_VERSIONS, SPEC_VERSION, Area, Level, counts
 
 __all__ = ["main"]
@@ -99,6 +100,15 @@ def _conform(args: argparse.Namespace) -> int:
         print("kvspec conform: an empty connector spec; expected 'pkg.module:Factory'",
               file=sys.stderr)
         return 2
+    try:
+        extra = _connector_extra(args.extra, args.extra_file)
+    except InvalidArgumentError as e:
+        print(f"kvspec conform: {e}", file=sys.stderr)
+        return 2
+    if extra:  # every engine, worker processes included, reads it from the environment
+        from .conformance.harness.config import EXTRA_ENV
+
+        os.environ[EXTRA_ENV] = json.dumps(extra)
     as_json = args.json or args.report == "-"
     report_path = None if args.report == "-" else args.report
     for flag, path in (("--report", report_path), ("--write-xfail", args.write_xfail)):
@@ -109,19 +119,64 @@ def _conform(args: argparse.Namespace) -> int:
         if rerun is not None:
             return rerun
     specs = list(args.specs) or list(DEFAULT_CONNECTORS)
-    extra = list(args.pytest_args)
+    pytest_args = list(args.pytest_args)
     if args.write_xfail:
-        extra.append(f"--kvspec-write-xfail={args.write_xfail}")
+        pytest_args.append(f"--kvspec-write-xfail={args.write_xfail}")
+    service: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if args.service:
+        from ._service import running_service
+
+        service = running_service(args.service, args.service_wait,
+                                  timeout_s=args.service_timeout)
     # With --json, stdout holds the JSON report alone: pytest's output goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-        result = run_conformance(
-            specs, profile=args.profile, report_path=report_path, xfail_path=args.xfail,
-            extra_pytest_args=extra, progress=sys.stderr,
-        )
+    try:
+        with service, (contextlib.redirect_stdout(sys.stderr) if as_json
+                       else contextlib.nullcontext()):
+            result = run_conformance(
+                specs, profile=args.profile, report_path=report_path, xfail_path=args.xfail,
+                extra_pytest_args=pytest_args, progress=sys.stderr,
+            )
+    except (InvalidArgumentError, TransferTimeoutError) as e:  # the service did not start
+        print(f"kvspec conform: {e}", file=sys.stderr)
+        return 2
     if as_json:
         json.dump(dict(result.report), sys.stdout, indent=2, default=_plain_json)
         sys.stdout.write("\n")
     return result.exit_code
+
+
+def _connector_extra(pairs: Sequence[str], files: Sequence[str]) -> dict[str, Any]:
+    """The connector configuration of ``--extra-file`` (JSON, or TOML by its .toml suffix)
+    then ``--extra KEY=VALUE`` (VALUE as JSON when it parses, else as a string)."""
+    out: dict[str, Any] = {}
+    for name in files:
+        path = Path(name)
+        try:
+            text = path.read_text(encoding="utf-8")
+            if path.suffix == ".toml":  # tomllib: Python 3.11 and newer
+                import importlib
+
+                value: Any = importlib.import_module("tomllib").loads(text)
+            else:
+                value = json.loads(text)
+        except (OSError, ValueError, ImportError) as e:
+            raise InvalidArgumentError(f"--extra-file {name}: {e}; expected a JSON object "
+                                       "(or a TOML file ending in .toml)") from None
+        if not isinstance(value, dict):
+            raise InvalidArgumentError(f"--extra-file {name} holds a {type(value).__name__}; "
+                                       "expected an object of the connector's configuration")
+        out.update(value)
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgumentError(f"--extra {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    if any(k.startswith("kvspec.") for k in out):
+        raise InvalidArgumentError("--extra: 'kvspec.' keys are the harness's own")
+    return out
 
 
 def _rerun_under_vllm(command: str, args: argparse.Namespace) -> int | None:
@@ -356,6 +411,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--xfail", metavar="PATH", help="expected-failures file")
     c.add_argument("--write-xfail", metavar="PATH",
                    help="write the keys of the failing tests to PATH")
+    c.add_argument("--extra", metavar="KEY=VALUE", action="append", default=[],
+                   help="the connector's own configuration (vLLM's kv_connector_extra_config): "
+                        "VALUE is JSON when it parses, else a string (repeatable)")
+    c.add_argument("--extra-file", metavar="PATH", action="append", default=[],
+                   help="the connector's configuration as a JSON object, or TOML (.toml)")
+    c.add_argument("--service", metavar="CMD",
+                   help="start CMD (a service the connector needs) before the engines and "
+                        "stop it after")
+    c.add_argument("--service-wait", metavar="HOST:PORT",
+                   help="wait until the service accepts connections on HOST:PORT")
+    c.add_argument("--service-timeout", metavar="S", type=float, default=60.0,
+                   help="the longest wait for the service (default 60)")
     c.set_defaults(func=_conform, pytest_args=[])
     b = sub.add_parser("bench", help="run a benchmark")
     bsub = b.add_subparsers(dest="benchmark", required=True)

@@ -33,8 +33,9 @@ __all__ = [
     "OUTCOMES", "REPORT_ATTR", "ConnectorInfo", "Recorder", "format_violation", "kvspec_version",
 ]
 
-OUTCOMES = ("pass", "fail", "skip", "xfail")
-"""The outcomes counted per clause, in column order."""
+OUTCOMES = ("pass", "fail", "skip", "xfail", "error")
+"""The outcomes counted per clause, in column order. ``error``: kvspec's own harness or
+engine adapter failed (a ``HarnessError``); the test says nothing about the connector."""
 
 REPORT_ATTR = "kvspec"
 """The attribute of a tracked test's reports that carries its kvspec data (plain data)."""
@@ -107,12 +108,13 @@ class _Tracked:
     strict_xpass: bool = False
     listed: bool = False
     loads: dict[str, int] | None = None  # what the connector loaded in the test's engines
+    kvspec_error: str | None = None  # kvspec's own failure (a HarnessError), not the connector's
 
     def plain(self) -> dict[str, Any]:
         """What a report carries to the xdist controller (set by the worker)."""
         return {"key": self.key, "connector": self.connector, "clauses": list(self.clauses),
                 "violation": self.violation, "broken": self.broken, "listed": self.listed,
-                "loads": self.loads}
+                "loads": self.loads, "kvspec_error": self.kvspec_error}
 
     def absorb(self, data: dict[str, Any]) -> None:
         """Take the worker's data from ``plain`` (the same values in a single process)."""
@@ -124,6 +126,8 @@ class _Tracked:
         self.listed = bool(data.get("listed"))
         loads = data.get("loads")
         self.loads = dict(loads) if isinstance(loads, dict) else None
+        error = data.get("kvspec_error")
+        self.kvspec_error = error if isinstance(error, str) else None
 
 
 def _find_violation(exc: BaseException) -> ContractViolation | None:
@@ -160,6 +164,29 @@ def _find_violation(exc: BaseException) -> ContractViolation | None:
     )
 
 
+_KVSPEC_ROOT = str(Path(__file__).parent.parent)
+_SAMPLE_CONNECTORS = str(Path(__file__).parent / "connectors")
+
+
+def _harness_error(exc: BaseException) -> BaseException | None:
+    """The ``HarnessError`` in ``exc``'s chain that kvspec's own code raised (kvspec's
+    failure), or None. One raised from a connector's code is the connector's like any
+    other exception: a connector cannot pass its crash off as kvspec's."""
+    errors = sys.modules.get("kvspec.protocols.errors")
+    if errors is None:
+        return None
+    for e in _chain(exc):
+        if isinstance(e, errors.HarnessError):
+            tb = e.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+            if where.startswith(_KVSPEC_ROOT) and not where.startswith(_SAMPLE_CONNECTORS):
+                found: BaseException = e
+                return found
+    return None
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     """``exc``, the members of exception groups and explicit causes, depth first."""
     out: list[BaseException] = []
@@ -189,7 +216,9 @@ def _as_violation(cls: type[ContractViolation], clause: str, observed: str
 
 
 _DRIVERS = tuple(str(Path(__file__).parent / d) for d in ("harness", "suite", "graphs"))
-_KVSPEC_CORE = str(Path(__file__).parent.parent / "protocols")
+_KVSPEC_CORE = tuple(str(Path(__file__).parent.parent / d) for d in ("protocols", "vllm"))
+"""kvspec code between the driver and the connector: protocol defaults, and the wrapper
+that runs a vLLM connector (a crash names the vLLM connector's own function)."""
 
 
 def _crashed_hook(exc: BaseException) -> str | None:
@@ -204,7 +233,7 @@ def _crashed_hook(exc: BaseException) -> str | None:
     drivers = [i for i, f in enumerate(frames) if f.f_code.co_filename.startswith(_DRIVERS)]
     if not drivers:
         return None
-    for frame in frames[drivers[-1] + 1:]:  # through kvspec's own protocol defaults
+    for frame in frames[drivers[-1] + 1:]:  # through kvspec's protocol defaults and wrapper
         code = frame.f_code
         if not code.co_filename.startswith(_KVSPEC_CORE):
             return getattr(code, "co_qualname", code.co_name)
@@ -485,6 +514,15 @@ class Recorder:
 
     def _attribute(self, item: pytest.Item, tracked: _Tracked, report: pytest.TestReport,
                    error: BaseException) -> None:
+        ours = _harness_error(error)
+        if ours is not None:  # kvspec's own failure: no clause of the connector's is blamed
+            text = (f"kvspec error (kvspec's own harness or engine adapter failed; this is "
+                    f"not the connector's fault): {ours}")
+            tracked.kvspec_error = text
+            crash = getattr(report.longrepr, "reprcrash", None)
+            if crash is not None:
+                crash.message = text
+            return
         exc = _find_violation(error)
         if exc is None:
             return
@@ -524,9 +562,11 @@ class Recorder:
         if t is None:
             return
         t.duration += report.duration
-        if t.outcome == "fail":
+        if t.outcome in ("fail", "error"):
             return
-        if report.failed:
+        if report.failed and t.kvspec_error:
+            t.outcome, t.message = "error", t.kvspec_error
+        elif report.failed:
             t.outcome = "fail"
             t.strict_xpass = str(report.longrepr).startswith("[XPASS(strict)]")
             t.message = (

@@ -30,7 +30,9 @@ class ConformanceResult:
         failed: Suite tests that failed (an unexpected pass of a listed test counts here).
         skipped: Suite tests skipped (capabilities the connector does not declare).
         xfailed: Suite tests that failed as the expected-failures file said.
-        clauses: Per clause ID: ``pass``, ``fail``, ``skip``, ``xfail`` counts, ``level``
+        errors: Suite tests that kvspec itself could not run: its harness or engine adapter
+            failed (a ``HarnessError``), which says nothing about the connector.
+        clauses: Per clause ID: ``pass``, ``fail``, ``skip``, ``xfail``, ``error`` counts, ``level``
             and ``title``.
         report: The whole JSON report (empty if pytest stopped before writing it).
     """
@@ -42,6 +44,7 @@ class ConformanceResult:
     xfailed: int
     clauses: Mapping[str, Mapping[str, Any]] = attrs.field(converter=_frozen_mapping)
     report: Mapping[str, Any] = attrs.field(converter=_frozen_mapping)
+    errors: int = 0
 
     @property
     def ok(self) -> bool:
@@ -53,10 +56,10 @@ class ConformanceResult:
         """Build the result from a JSON report as ``--kvspec-report`` writes it."""
         tests = report.get("tests", [])
         count = {o: sum(1 for t in tests if t.get("outcome") == o)
-                 for o in ("pass", "fail", "skip", "xfail")}
+                 for o in ("pass", "fail", "skip", "xfail", "error")}
         return cls(
             exit_code=int(exit_code), passed=count["pass"], failed=count["fail"],
-            skipped=count["skip"], xfailed=count["xfail"],
+            skipped=count["skip"], xfailed=count["xfail"], errors=count["error"],
             clauses=report.get("clauses", {}), report=report,
         )
 

@@ -25,7 +25,8 @@ Options:
 
 Markers: ``kvspec_clause(*ids)`` names the clauses a test checks (validated at collection);
 ``kvspec_requires(*capabilities)`` skips a suite test whose connector does not declare one
-of the capabilities. Fixtures: ``kvspec_factory``, ``kvspec_capabilities``,
+of the capabilities; ``kvspec_startup`` marks the one test that still runs (and reports
+why) when an engine on the connector does not start. Fixtures: ``kvspec_factory``, ``kvspec_capabilities``,
 ``kvspec_profile``, ``kvspec_tmpdir``.
 
 Importing this module imports neither torch, nor ``kvspec.protocols``, nor hypothesis:
@@ -122,6 +123,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "kvspec_requires(*capabilities): skip unless the connector under test declares them",
+    )
+    config.addinivalue_line(
+        "markers",
+        "kvspec_startup: runs even when an engine on the connector does not start (the test "
+        "that reports why; every other suite test is then skipped)",
     )
     from ._report import Recorder
 

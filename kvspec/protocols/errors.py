@@ -15,6 +15,7 @@ __all__ = [
     "CompatibilityError",
     "ContractViolation",
     "DoubleReportError",
+    "HarnessError",
     "InvalidArgumentError",
     "InvalidBlockIdError",
     "KVSpecError",
@@ -171,6 +172,16 @@ class CompatibilityError(KVSpecError):
 
 class TransferTimeoutError(KVSpecError, TimeoutError):
     """A wait exceeded its timeout; kvspec never waits without one (ERR-007)."""
+
+
+class HarnessError(KVSpecError):
+    """kvspec's own engine harness or engine adapter failed, not the connector under test.
+
+    Raised where kvspec plays the engine (the conformance harness, the wrapper that runs a
+    vLLM connector inside it) and its own code could not do what the engine does: build an
+    engine object, translate a view, resolve a layout. The conformance report counts such a
+    test as ``error`` against kvspec and never as a broken clause of the connector.
+    """
 
 
 class ContractViolation(KVSpecError):

@@ -270,7 +270,7 @@ def test_unknown_capability_in_a_marker_is_a_collection_error(kv: pytest.Pyteste
 
 def test_capability_skip_names_the_capability(kv: pytest.Pytester) -> None:
     result = run(kv, "-rs", "--kvspec-conformance=conn:Good")
-    result.assert_outcomes(passed=4, skipped=3)
+    result.assert_outcomes(passed=5, skipped=3)
     out = result.stdout.str()
     for name in ("layer_hooks", "capturable_hooks", "custom_aggregator"):
         assert f"connector does not declare capability '{name}'" in out
@@ -283,12 +283,12 @@ def test_header_names_versions_and_connectors(kv: pytest.Pytester) -> None:
         "kvspec connector good (conn:Good): async_loads=False, *layer_hooks=no_layer_hooks*",
         "kvspec connector eager (conn:Eager): *layer_hooks=eager*",
     ])
-    result.assert_outcomes(passed=9, skipped=5)
+    result.assert_outcomes(passed=11, skipped=5)
 
 
 def test_bad_factory_breaks_gra_001(kv: pytest.Pytester) -> None:
     result = run(kv, "-ra", "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad")
-    result.assert_outcomes(passed=8, failed=1, skipped=5)
+    result.assert_outcomes(passed=10, failed=1, skipped=5)
     out = result.stdout.str()
     assert (
         "clause GRA-001 (Hook graph behaviour is declared) broken by bad: observed: layer_hooks "
@@ -303,10 +303,11 @@ def test_bad_factory_breaks_gra_001(kv: pytest.Pytester) -> None:
     assert summary_row(result, "GRA-001") == [2, 1, 1, 0]
     assert summary_row(result, "SCH-027") == [2, 0, 0, 0]
     assert summary_row(result, "DRY-005") == [0, 0, 2, 0]
-    result.stdout.fnmatch_lines(["*= kvspec conformance =*", "clause *level *pass *fail *skip *xfail *title",
-                                 "total *tests *8 *1 *5 *0 *14 tests, 5 clauses"])
+    result.stdout.fnmatch_lines(["*= kvspec conformance =*", "clause *level *pass *fail *skip *xfail *error *title",
+                                 "total *tests *10 *1 *5 *0 *0 *16 tests, 6 clauses"])
     rows = [line.split()[0] for line in result.outlines if re.match(r"^[A-Z]{3}-\d{3} ", line)]
-    assert rows == sorted(rows) == ["DRY-005", "EXE-012", "GRA-001", "SCH-027", "WRK-015"]
+    assert rows == sorted(rows) == ["DRY-005", "ERR-010", "EXE-012", "GRA-001", "SCH-027",
+                                    "WRK-015"]
 
 
 def test_violation_report_carries_reproduction_text(kv: pytest.Pytester) -> None:
@@ -360,7 +361,7 @@ def test_json_report(kv: pytest.Pytester) -> None:
     assert skipped["message"] == "connector does not declare capability 'layer_hooks'"
     assert {t["outcome"] for t in data["tests"]} == {"pass", "fail", "skip"}
     assert data["clauses"]["GRA-001"] == {
-        "pass": 2, "fail": 1, "skip": 1, "xfail": 0, "level": "MUST",
+        "pass": 2, "fail": 1, "skip": 1, "xfail": 0, "error": 0, "level": "MUST",
         "title": "Hook graph behaviour is declared",
     }
     assert list(data["clauses"]) == sorted(data["clauses"])
@@ -379,7 +380,7 @@ def test_xfail_file_marks_listed_tests_and_warns_about_unknown_lines(kv: pytest.
     """))
     result = run(kv, "-rx", "--kvspec-conformance=conn:Bad", f"--kvspec-xfail={xfail}")
     assert result.ret == 0
-    result.assert_outcomes(passed=4, skipped=2, xfailed=1)  # other warnings may come from
+    result.assert_outcomes(passed=5, skipped=2, xfailed=1)  # other warnings may come from
     out = result.stdout.str()  # modules earlier tests imported: count only ours
     assert out.count("KVSpecXfailWarning: kvspec xfail file line") == 1
     assert "KVSpecXfailWarning: kvspec xfail file line 4 matches no test: " \
@@ -396,7 +397,7 @@ def test_xfail_file_unexpected_pass_fails(kv: pytest.Pytester) -> None:
     )
     result = run(kv, "--kvspec-conformance=conn:Good", f"--kvspec-xfail={xfail}")
     assert result.ret == 1
-    result.assert_outcomes(passed=3, skipped=3, failed=1)
+    result.assert_outcomes(passed=4, skipped=3, failed=1)
     assert "[XPASS(strict)]" in result.stdout.str()
     assert summary_row(result, "GRA-001") == [0, 1, 1, 0]
 
@@ -413,7 +414,7 @@ def test_write_xfail_then_run_clean(kv: pytest.Pytester) -> None:
     result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad",
                  f"--kvspec-xfail={xfail}", f"--kvspec-write-xfail={xfail}")
     assert result.ret == 0
-    result.assert_outcomes(passed=8, skipped=5, xfailed=1)
+    result.assert_outcomes(passed=10, skipped=5, xfailed=1)
     keys = [ln for ln in xfail.read_text().splitlines() if ln and not ln.startswith("#")]
     assert keys == [f"{HOOKS_KEY}[conn:Bad]"]
 
@@ -432,7 +433,7 @@ def test_make_suite_runs_the_same_tests_with_the_same_keys(kv: pytest.Pytester) 
     assert names == DECLARATION_TESTS
     report = kv.path / "report.json"
     result = run(kv, "-rf", f"--kvspec-report={report}")
-    result.assert_outcomes(passed=4, failed=1, skipped=2)
+    result.assert_outcomes(passed=5, failed=1, skipped=2)
     assert "clause GRA-001 (Hook graph behaviour is declared) broken by bad" in result.stdout.str()
     assert summary_row(result, "GRA-001") == [1, 1, 0, 0]
     data = json.loads(report.read_text())
@@ -443,7 +444,7 @@ def test_make_suite_runs_the_same_tests_with_the_same_keys(kv: pytest.Pytester) 
     xfail.write_text(f"{HOOKS_KEY}[conn:Bad]\n")
     result = run(kv, f"--kvspec-xfail={xfail}")
     assert result.ret == 0
-    result.assert_outcomes(passed=4, skipped=2, xfailed=1)
+    result.assert_outcomes(passed=5, skipped=2, xfailed=1)
 
 
 def test_make_suite_rejects_a_bad_connector(kv: pytest.Pytester) -> None:
@@ -496,7 +497,7 @@ def test_run_conformance(kv: pytest.Pytester) -> None:
 
     good = run_conformance(["conn:Good"], extra_pytest_args=["-p", "kvrestrict", "-q"])
     assert good.exit_code == 0 and good.ok
-    assert (good.passed, good.failed, good.skipped, good.xfailed) == (4, 0, 3, 0)
+    assert (good.passed, good.failed, good.skipped, good.xfailed) == (5, 0, 3, 0)
     assert good.clauses["GRA-001"]["pass"] == 1
     assert good.report["connectors"][0]["name"] == "good"
 
@@ -549,7 +550,7 @@ def test_cli_conform_exit_codes(kv: pytest.Pytester) -> None:
         cwd=kv.path, capture_output=True, text=True, env=env,
     )
     assert good.returncode == 0, good.stdout + good.stderr
-    assert "4 passed, 3 skipped" in good.stdout
+    assert "5 passed, 3 skipped" in good.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "kvspec", "conform", "conn:Good", "conn:Bad", "--report",
          "r.json", "--", "-p", "kvrestrict", "-q"],
@@ -564,12 +565,12 @@ def test_cli_conform_exit_codes(kv: pytest.Pytester) -> None:
     progress = [line for line in bad.stderr.splitlines() if line.startswith("kvspec conform:")]
     secs = r"\d+(\.\d)?s"
     patterns = [
-        rf"kvspec conform: connector 1/2: conn:Good: 7 tests \(elapsed {secs}\)$",
-        rf"kvspec conform: connector 1/2: conn:Good: done, 7 tests in {secs} "
-        rf"\(4 passed, 3 skipped; elapsed {secs}\)$",
-        rf"kvspec conform: connector 2/2: conn:Bad: 7 tests \(elapsed {secs}, ETA {secs}\)$",
-        rf"kvspec conform: connector 2/2: conn:Bad: done, 7 tests in {secs} "
-        rf"\(4 passed, 1 failed, 2 skipped; elapsed {secs}\)$",
+        rf"kvspec conform: connector 1/2: conn:Good: 8 tests \(elapsed {secs}\)$",
+        rf"kvspec conform: connector 1/2: conn:Good: done, 8 tests in {secs} "
+        rf"\(5 passed, 3 skipped; elapsed {secs}\)$",
+        rf"kvspec conform: connector 2/2: conn:Bad: 8 tests \(elapsed {secs}, ETA {secs}\)$",
+        rf"kvspec conform: connector 2/2: conn:Bad: done, 8 tests in {secs} "
+        rf"\(5 passed, 1 failed, 2 skipped; elapsed {secs}\)$",
     ]
     assert len(progress) == len(patterns), bad.stderr
     for line, pattern in zip(progress, patterns):
@@ -577,7 +578,7 @@ def test_cli_conform_exit_codes(kv: pytest.Pytester) -> None:
     # the tests ran connector by connector: Good's results all come before Bad's
     dots = "".join(line for line in bad.stdout.splitlines()
                    if line and set(line.split("[")[0].strip()) <= set(".sF"))
-    assert dots.replace(" ", "").startswith("....sss....s"), bad.stdout
+    assert dots.replace(" ", "").startswith(".....sss.....s"), bad.stdout
     assert "kvspec conform:" not in good.stdout + bad.stdout  # stdout is pytest's
 
 
@@ -623,15 +624,15 @@ def test_progress_names_a_long_test_while_it_runs(kv: pytest.Pytester) -> None:
     proc = subprocess.run([sys.executable, "-c", script], cwd=kv.path, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "8 passed, 6 skipped" in proc.stdout
+    assert "10 passed, 6 skipped" in proc.stdout
     lines = [line for line in proc.stderr.splitlines() if line]
     beats = [line for line in lines if "still running" in line]
     assert beats and all(re.match(
         r"kvspec conform: still running test_declaration\.py::TestDeclaration::test_\w+"
         r"\[slowconn:Slow\] \(\d\.\ds; connector 2/2, elapsed \d+\.\ds\)$", line)
         for line in beats), lines
-    starts = [i for i, line in enumerate(lines) if re.search(r"connector \d/2: \S+: 7 tests", line)]
-    ends = [i for i, line in enumerate(lines) if ": done, 7 tests in " in line]
+    starts = [i for i, line in enumerate(lines) if re.search(r"connector \d/2: \S+: 8 tests", line)]
+    ends = [i for i, line in enumerate(lines) if ": done, 8 tests in " in line]
     assert len(starts) == len(ends) == 2 and starts[0] < ends[0] < starts[1] < ends[1], lines
     assert all(starts[1] < i < ends[1] for i, line in enumerate(lines) if line in beats)
     assert "kvspec conform:" not in proc.stdout
@@ -679,14 +680,14 @@ def test_cli_conform_uses_the_rootdir_and_ini_file_of_the_current_directory(
     assert f"rootdir: {kv.path}" in out.splitlines(), out
     assert f"configfile: {ini}" in out.splitlines(), out
     # addopts: only the suite module kvrestrict keeps, and the summary of -rfs
-    assert re.search(r"^test_declaration\.py \.\.\.\.sss", out, re.M), out
+    assert re.search(r"^test_declaration\.py \.\.\.\.\.sss", out, re.M), out
     assert "SKIPPED [" in out and "test_engine.py" not in out and "test_mine" not in out
     assert "../" not in "".join(line.split(" ")[0] for line in out.splitlines())
     # filterwarnings: the warning of Warns' scheduler is an error in its tests
     assert proc.returncode == 1, out + proc.stderr
     assert "broken by warns: observed: Warns.create_scheduler raised UserWarning: project " \
            "filters make this an error" in out
-    assert "1 failed, 7 passed, 6 skipped" in out
+    assert "1 failed, 5 passed, 10 skipped" in out
     failed = re.findall(r"^FAILED (\S+)", out, re.M)
     assert failed and all(f.endswith("[warnconn:Warns]") for f in failed), out
 
@@ -709,7 +710,7 @@ def test_suite_installed_in_a_project_virtualenv_is_collected(kv: pytest.Pyteste
         cwd=kv.path, capture_output=True, text=True, env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 passed, 3 skipped" in out.stdout
+    assert "5 passed, 3 skipped" in out.stdout
     assert ".venv/lib/site-packages/kvspec/conformance/suite/test_declaration.py" in out.stdout
 
 
@@ -815,14 +816,14 @@ def test_xdist_run_reports_what_a_serial_run_reports(kv: pytest.Pytester) -> Non
                 f"--kvspec-report={report}", f"--kvspec-write-xfail={xfail}"]
         result = run(kv, *args) if mode == "serial" else kv.runpytest_subprocess(
             "-p", "kvrestrict", "-p", "no:cacheprovider", "-n", "2", *args)
-        result.assert_outcomes(passed=8, failed=1, skipped=5)
+        result.assert_outcomes(passed=10, failed=1, skipped=5)
         assert f"kvspec: wrote 1 expected failures to {xfail}" in result.stdout.str()
         outputs[mode] = (table_rows(result), comparable(report),
                          xfail.read_text().splitlines()[2:])
     serial, xdist = outputs["serial"], outputs["xdist"]
-    assert serial[0] and serial[0][-1].split()[2:6] == ["8", "1", "5", "0"]
+    assert serial[0] and serial[0][-1].split()[2:7] == ["10", "1", "5", "0", "0"]
     assert xdist[0] == serial[0]
-    assert xdist[1] == serial[1] and len(serial[1]["tests"]) == 14
+    assert xdist[1] == serial[1] and len(serial[1]["tests"]) == 16
     assert xdist[2] == serial[2] == [f"{HOOKS_KEY}[conn:Bad]"]
 
 
@@ -834,7 +835,7 @@ def test_failed_node_ids_can_be_passed_back_and_lf_reruns_them(kv: pytest.Pytest
     kv.makepyfile(test_mine="def test_mine():\n    assert False\n")
     flags = ["-p", "kvrestrict", "-rf"]  # with the cache plugin, for --lf
     first = kv.runpytest(*flags, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Bad")
-    first.assert_outcomes(passed=8, failed=2, skipped=5)
+    first.assert_outcomes(passed=10, failed=2, skipped=5)
     failed = re.findall(r"^FAILED (test_declaration\.py::\S+)", first.stdout.str(), re.M)
     assert failed == [f"{HOOKS_KEY}[conn:Bad]"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +21,37 @@ from kvspec.protocols import (
     freeze_params,
 )
 
-__all__ = ["HarnessConfig"]
+__all__ = ["EXTRA_ENV", "HarnessConfig", "connector_extra"]
+
+EXTRA_ENV = "KVSPEC_CONNECTOR_EXTRA"
+"""Environment variable: a JSON object of the connector's own configuration (vLLM's
+``kv_connector_extra_config``), merged into every engine's ``EngineConfigView.extra``.
+``kvspec conform --extra KEY=VALUE`` and ``--extra-file`` set it."""
+
+
+def connector_extra() -> dict[str, Any]:
+    """The user's connector configuration from ``$KVSPEC_CONNECTOR_EXTRA`` ({} when unset).
+
+    Raises:
+        InvalidArgumentError: it is not a JSON object with string keys, or names a
+            ``kvspec.`` key (those are the harness's own).
+    """
+    raw = os.environ.get(EXTRA_ENV, "")
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise InvalidArgumentError(f"${EXTRA_ENV} is not JSON ({e}); expected a JSON object "
+                                   "of the connector's configuration") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"${EXTRA_ENV} is a JSON {type(value).__name__}; expected "
+                                   "an object of the connector's configuration")
+    bad = sorted(k for k in value if k.startswith("kvspec."))
+    if bad:
+        raise InvalidArgumentError(f"${EXTRA_ENV} sets {bad}: 'kvspec.' keys are the "
+                                   "harness's own")
+    return value
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -166,11 +198,14 @@ class HarnessConfig:
         )
 
     def engine_view(self, tmpdir: str) -> EngineConfigView:
-        """What the connector factory receives; ``tmpdir`` becomes ``extra['kvspec.tmpdir']``."""
+        """What the connector factory receives: ``extra`` is the user's connector
+        configuration (``connector_extra``), then this config's own, then
+        ``extra['kvspec.tmpdir']``, ``tmpdir``."""
         return EngineConfigView(
             engine_id=self.engine_id, role=self.role, num_layers=self.num_layers,
             block_size=self.block_size, num_blocks=self.num_blocks, tp_size=self.tp_size,
-            extra={**self.extra, "kvspec.tmpdir": tmpdir}, async_scheduling=self.async_scheduling,
+            extra={**connector_extra(), **self.extra, "kvspec.tmpdir": tmpdir},
+            async_scheduling=self.async_scheduling,
         )
 
     def to_plain(self) -> dict[str, Any]:

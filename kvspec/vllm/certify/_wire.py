@@ -36,9 +36,9 @@ import msgspec
 import torch
 from typing_extensions import Self
 
-from kvspec.protocols import InvalidArgumentError, MalformedMetadataError
+from kvspec.protocols import HarnessError, InvalidArgumentError, MalformedMetadataError
 
-__all__ = ["VllmMetadata", "decode_value", "encode_value"]
+__all__ = ["VllmMetadata", "carry_gap", "decode_value", "encode_value"]
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -268,6 +268,13 @@ def _metadata_value(cls: type, body: bytes) -> object:
     return value
 
 
+def carry_gap(error: InvalidArgumentError) -> HarnessError:
+    """``error`` (a value ``encode_value`` refused) as kvspec's own gap: vLLM moves such
+    values between its processes with pickle, which kvspec's wrapper never uses (ERR-006)."""
+    return HarnessError(f"{error.message}. vLLM itself pickles this value between its "
+                        "processes; kvspec's wrapper refuses pickle and cannot carry it yet")
+
+
 class VllmMetadata:
     """A vLLM connector's step metadata, as kvspec ``ConnectorMetadata`` (ERR-006).
 
@@ -289,10 +296,19 @@ class VllmMetadata:
         return f"VllmMetadata({self.value!r})"
 
     def encode(self) -> bytes:
-        """The class path and the fields, in MessagePack."""
+        """The class path and the fields, in MessagePack.
+
+        Raises:
+            HarnessError: kvspec's codec cannot carry this metadata class without pickle
+                (vLLM pickles it, so that is kvspec's gap, not the connector's fault).
+        """
         cls = type(self.value)
+        try:
+            payload = _metadata_payload(self.value)
+        except InvalidArgumentError as e:
+            raise carry_gap(e) from e
         return _ENCODER.encode(_Envelope("vllm-metadata", f"{cls.__module__}:{cls.__qualname__}",
-                                         msgspec.Raw(_metadata_payload(self.value))))
+                                         msgspec.Raw(payload)))
 
     @classmethod
     def decode(cls, data: bytes) -> Self:

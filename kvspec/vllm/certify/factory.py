@@ -8,6 +8,14 @@ kvspec's views into the real vLLM objects (``Request``, ``KVCacheBlocks``,
 crosses as MessagePack (``VllmMetadata``), never pickled. The suite names it
 ``vllm:ExampleConnector`` or ``vllm:pkg.mod:ClassName``.
 
+The wrapper plays vLLM's engine for every connector alike: each role gets a ``VllmConfig``
+with a model configuration, the KV-cache layout resolved the way vLLM's engine core resolves
+it (the platform's attention backends and the connector's ``get_required_kvcache_layout``)
+and a block size the backends take (``_objects.platform_kv``), in vLLM's init order. Where
+the wrapper's own code fails (building an engine object, translating a view), it raises
+``HarnessError``: the suite reports that as kvspec's error, never as the connector's clause.
+What the connector's own code raises stays the connector's.
+
 What the translation cannot carry, by design:
 
 * vLLM's ``handle_preemptions`` takes the step's metadata; kvspec's takes the preempted ids
@@ -24,6 +32,7 @@ import contextlib
 import gc
 import os
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -39,7 +48,9 @@ from kvspec.protocols import (
     EngineConfigView,
     ForwardContextView,
     HandshakeMetadata,
+    HarnessError,
     InvalidArgumentError,
+    KVSpecError,
     KVCacheEvent,
     KVCacheLayout,
     KVConnectorOutput,
@@ -54,9 +65,22 @@ from kvspec.protocols import (
 
 from . import _objects
 from ._profiles import Profile, profile_for
-from ._wire import VllmMetadata, decode_value, encode_value, loaded_class
+from ._wire import VllmMetadata, carry_gap, decode_value, encode_value, loaded_class
 
 __all__ = ["VllmConnectorFactory"]
+
+
+@contextlib.contextmanager
+def _ours(what: str) -> Iterator[None]:
+    """The wrapper's own work (not a call into the connector): an exception other than a
+    typed kvspec error becomes ``HarnessError`` naming ``what``, kvspec's fault."""
+    try:
+        yield
+    except KVSpecError:
+        raise
+    except Exception as e:
+        raise HarnessError(f"kvspec's vLLM wrapper failed while {what}: "
+                           f"{type(e).__name__}: {e}") from e
 
 
 def _connector_class(spec: str) -> tuple[str, str | None, type]:
@@ -95,6 +119,22 @@ class VllmConnectorFactory:
         self.connector = connector
         self._name, self._module, self.connector_class = _connector_class(connector)
         self.profile: Profile = profile_for(self._name, self.connector_class)
+        self._platform: _objects.PlatformKV | None = None
+        self._capabilities: Capabilities | None = None
+
+    @property
+    def platform(self) -> _objects.PlatformKV:
+        """The layout and block size vLLM's engine core resolves for this connector on this
+        platform (computed once)."""
+        if self._platform is None:
+            config = EngineConfigView(  # a sample engine: nothing is written to its tmpdir
+                engine_id="kvspec-platform", role=TransferRole.BOTH, num_layers=2,
+                block_size=32, num_blocks=1, extra={"kvspec.tmpdir": tempfile.gettempdir()})
+            with _ours("resolving the KV-cache layout as vLLM's engine core does"):
+                vconf = self._vllm_config(config, None, cache_layout=None)
+                names = tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers))
+                self._platform = _objects.platform_kv(vconf, _model_shape(config, None), names)
+        return self._platform
 
     @property
     def __kvspec_spec__(self) -> str:
@@ -113,19 +153,30 @@ class VllmConnectorFactory:
 
     @property
     def capabilities(self) -> Capabilities:
-        """The declaration of ``profile_for`` (see ``kvspec.vllm.certify._profiles``)."""
-        return self.profile.capabilities
+        """The declaration of ``profile_for`` (see ``kvspec.vllm.certify._profiles``), in
+        the one layout vLLM's engine resolves on this platform and, unless the profile names
+        its own, the block size the platform's attention backends take."""
+        if self._capabilities is None:
+            caps, platform = self.profile.capabilities, self.platform
+            self._capabilities = attrs.evolve(
+                caps, accepted_layouts=(platform.layout,),
+                block_sizes=caps.block_sizes or (platform.block_size,))
+        return self._capabilities
 
     def vllm_config(self, config: EngineConfigView, layout: KVCacheLayout | None = None) -> Any:
         """The ``VllmConfig`` an engine with this kvspec configuration gives the connector
-        (with ``layout``, a worker's: its model has the layout's heads and head size)."""
+        (with ``layout``, a worker's: its model has the layout's heads and head size), its
+        KV-cache layout resolved."""
+        return self._vllm_config(config, layout, cache_layout=self.platform.layout)
+
+    def _vllm_config(self, config: EngineConfigView, layout: KVCacheLayout | None,
+                     cache_layout: str | None) -> Any:
         extra = {k: thaw_params(v) for k, v in config.extra.items() if not k.startswith("kvspec.")}
-        model = _model_shape(config, layout)
         return _objects.vllm_config(
             connector=self._name, module_path=self._module, role=config.role,
             engine_id=config.engine_id, block_size=config.block_size, tp_size=config.tp_size,
             extra={**self.profile.extra(config), **extra}, transfer=self.profile.transfer,
-            model=model if self.profile.model else None, cache_layout=self.profile.cache_layout)
+            model=_model_shape(config, layout), cache_layout=cache_layout)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
         """vLLM's scheduler role, wrapped."""
@@ -264,42 +315,49 @@ class _VllmScheduler(SchedulerConnector):
         from vllm.config import set_current_vllm_config
 
         self._factory = factory
-        self._vllm_config = factory.vllm_config(config)
-        with _guest(), set_current_vllm_config(self._vllm_config):
-            if factory.profile.port_env:
-                os.environ[factory.profile.port_env] = str(_free_port())
-                os.environ[factory.profile.port_env.replace("_PORT", "_HOST")] = "127.0.0.1"
+        self._conn: Any = None
+        self._closed = False
+        with _ours("building the scheduler role's VllmConfig and KVCacheConfig"):
+            self._vllm_config = factory.vllm_config(config)
             shape = _model_shape(config, None)
             kv_config = _objects.kv_cache_config(
                 config.block_size, config.num_blocks,
                 tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers)),
-                attrs.evolve(shape, num_kv_heads=1))
-            self._conn: Any = factory.connector_class(self._vllm_config, _role("SCHEDULER"),
-                                                      kv_config)
-        producer = config.role is TransferRole.PRODUCER
-        self._book = _objects.RequestBook(
-            config.block_size, factory.profile.producer_params if producer else None)
-        self._closed = False
+                attrs.evolve(shape, num_kv_heads=1), factory.platform.layout)
+            producer = config.role is TransferRole.PRODUCER
+            self._book = _objects.RequestBook(
+                config.block_size, factory.profile.producer_params if producer else None)
+        with _guest(), set_current_vllm_config(self._vllm_config):
+            if factory.profile.port_env:
+                os.environ[factory.profile.port_env] = str(_free_port())
+                os.environ[factory.profile.port_env.replace("_PORT", "_HOST")] = "127.0.0.1"
+            self._conn = factory.connector_class(self._vllm_config, _role("SCHEDULER"), kv_config)
+
+    def _req(self, request: RequestView) -> Any:
+        with _ours(f"bringing vLLM's Request {request.request_id!r} up to date"):
+            return self._book.get(request)
 
     def on_new_request(self, request: RequestView) -> None:
-        self._conn.on_new_request(self._book.get(request))
+        self._conn.on_new_request(self._req(request))
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         count, load_async = self._conn.get_num_new_matched_tokens(
-            self._book.get(request), num_computed_tokens)
+            self._req(request), num_computed_tokens)
         return count, bool(load_async)
 
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
     ) -> None:
-        self._conn.update_state_after_alloc(
-            self._book.get(request), _objects.vllm_blocks(blocks), num_external_tokens)
+        req = self._req(request)
+        with _ours("building vLLM's KVCacheBlocks"):
+            vblocks = _objects.vllm_blocks(blocks)
+        self._conn.update_state_after_alloc(req, vblocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
-        groups = 1
-        out = _objects.scheduler_output(scheduler_output, self._book, groups)
+        with _ours("building vLLM's SchedulerOutput"):
+            out = _objects.scheduler_output(scheduler_output, self._book, 1)
         return VllmMetadata(self._conn.build_connector_meta(out))
 
     def request_finished(
@@ -307,7 +365,7 @@ class _VllmScheduler(SchedulerConnector):
     ) -> tuple[bool, Mapping[str, Any] | None]:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
-        req = self._book.get(request)
+        req = self._req(request)
         if isinstance(self._conn, SupportsHMA):
             delay, params = self._conn.request_finished_all_groups(req, (list(block_ids),))
         else:
@@ -316,7 +374,9 @@ class _VllmScheduler(SchedulerConnector):
         return bool(delay), params
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self._conn.update_connector_output(_objects.vllm_output(output))
+        with _ours("building vLLM's KVConnectorOutput"):
+            out = _objects.vllm_output(output)
+        self._conn.update_connector_output(out)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return ()
@@ -338,17 +398,22 @@ class _VllmScheduler(SchedulerConnector):
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            _release(self)
+            if self._conn is not None:
+                _release(self)
 
 
 def _wrap_handshake(value: Any, engine_id: str, rank: int, layout: KVCacheLayout) -> HandshakeMetadata:
     cls = type(value)
+    try:
+        data = encode_value(value)
+    except InvalidArgumentError as e:
+        raise carry_gap(e) from e
     return HandshakeMetadata(
         engine_id=engine_id, rank=rank, spec_version=SPEC_VERSION,
         layout={"order": layout.order.value, "packing": layout.packing.value,
                 "dtype": str(layout.dtype).removeprefix("torch."), "block_size": layout.block_size},
         payload={"cls": f"{cls.__module__}:{cls.__qualname__}",
-                 "data": base64.b64encode(encode_value(value)).decode()})
+                 "data": base64.b64encode(data).decode()})
 
 
 def _unwrap_handshake(hs: HandshakeMetadata | None) -> Any:
@@ -391,13 +456,16 @@ class _VllmWorker(WorkerConnector):
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout) -> None:
         from vllm.config import set_current_vllm_config
 
-        vllm_config = self._factory.vllm_config(self._config, layout)
-        kv_config = _objects.kv_cache_config(
-            layout.block_size, layout.num_blocks, tuple(kv_caches),
-            attrs.evolve(_model_shape(self._config, layout), num_kv_heads=layout.num_heads))
+        with _ours("building the worker role's VllmConfig and KVCacheConfig"):
+            vllm_config = self._factory.vllm_config(self._config, layout)
+            kv_config = _objects.kv_cache_config(
+                layout.block_size, layout.num_blocks, tuple(kv_caches),
+                attrs.evolve(_model_shape(self._config, layout), num_kv_heads=layout.num_heads),
+                self._factory.platform.layout)
         with _guest():
             if self._factory.profile.distributed:
-                _ProcessGroup.join(vllm_config, self._config, self._rank)
+                with _ours("joining vLLM's tensor-parallel process group"):
+                    _ProcessGroup.join(vllm_config, self._config, self._rank)
                 self._in_group = True
             with set_current_vllm_config(vllm_config):
                 self._conn = self._factory.connector_class(vllm_config, _role("WORKER"),
@@ -424,7 +492,8 @@ class _VllmWorker(WorkerConnector):
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
         from vllm.forward_context import override_forward_context
 
-        ctx = _objects.forward_context(forward_context, self._kv)
+        with _ours("building vLLM's ForwardContext"):
+            ctx = _objects.forward_context(forward_context, self._kv)
         with override_forward_context(ctx):
             self._vllm("start_load_kv").start_load_kv(ctx)
 
@@ -435,8 +504,9 @@ class _VllmWorker(WorkerConnector):
                       forward_context: ForwardContextView) -> None:
         from vllm.forward_context import override_forward_context
 
-        ctx = _objects.forward_context(forward_context, self._kv)
-        attn = ctx.attn_metadata[layer_name] if ctx.attn_metadata else None
+        with _ours("building vLLM's ForwardContext"):
+            ctx = _objects.forward_context(forward_context, self._kv)
+            attn = ctx.attn_metadata[layer_name] if ctx.attn_metadata else None
         with override_forward_context(ctx):
             self._vllm("save_kv_layer").save_kv_layer(layer_name, kv_layer, attn)
 
