@@ -581,8 +581,10 @@ def _parser() -> argparse.ArgumentParser:
                     "($KVSPEC_VLLM_PYTHON or .venv-vllm, built by scripts/vllm_env.sh).",
     )
     vc.add_argument("names", nargs="*", metavar="NAME",
-                    help="vLLM connector names (default: ExampleConnector NixlConnector "
-                         "OffloadingConnector LMCacheConnectorV1)")
+                    help="vLLM connector names (default: all 17 vLLM 0.32 registers); the "
+                         "others' kept runs (docs/vllm-connectors-data) stay on the page")
+    vc.add_argument("--render-only", action="store_true",
+                    help="run nothing: rewrite the page from the kept runs")
     vc.add_argument("--out", default="docs/vllm-connectors.md", metavar="PATH",
                     help="the page to write (default docs/vllm-connectors.md)")
     vc.add_argument("--keep-reports", metavar="DIR",
@@ -602,6 +604,8 @@ def _vllm_connectors(args: argparse.Namespace) -> int:
     if _unwritable("--out", args.out):
         return 2
     cmd = [python, "-m", "kvspec.vllm.certify.report", "--out", args.out, *args.names]
+    if args.render_only:
+        cmd.append("--render-only")
     if args.keep_reports:
         cmd += ["--keep-reports", args.keep_reports]
     try:

@@ -35,6 +35,9 @@ class Finding:
         kind: One of ``KINDS``.
         title: One line.
         detail: What the connector did, why it breaks the clause, and what it costs in vLLM.
+        fix: For a connector bug, the fix in one or two sentences; else "".
+        reproducer: For a connector bug, the standalone vLLM script (``docs/vllm-findings/``,
+            vLLM's public API only) that shows it, or None where vLLM cannot reach it.
     """
 
     id: str
@@ -44,6 +47,8 @@ class Finding:
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
     title: str
     detail: str
+    fix: str = ""
+    reproducer: str | None = None
 
     def explains(self, connector: str, message: str) -> bool:
         """Whether this finding explains a failure of ``connector`` with ``message``."""
@@ -62,8 +67,10 @@ FINDINGS: tuple[Finding, ...] = (
         "the slot mapping of the blocks allocated so far. Under chunked prefill (vLLM's default) "
         "those blocks cover only the first chunk, so the file written under the hash of the "
         "whole prompt holds only the first chunk's rows (after a preemption, likewise). A later "
-        "request with that prompt matches and `start_load_kv` fails to copy 8 rows into 60 "
-        "slots: the worker raises, which in vLLM ends the engine.",
+        "request with that prompt matches and `start_load_kv` fails to copy the first chunk's "
+        "rows into the whole prompt's slots: the worker raises, which in vLLM ends the engine.",
+        fix="store a request only once all of its prompt's blocks are computed (or key each stored chunk by the tokens it holds), and check the file's row count before loading.",
+        reproducer="docs/vllm-findings/EX-1.py",
     ),
     Finding(
         "EX-2", "ExampleConnector", "ERR-010", r"start_load_kv raised FileNotFoundError",
@@ -75,6 +82,8 @@ FINDINGS: tuple[Finding, ...] = (
         "prefix, the match succeeds and the load opens a file that was never written. (When "
         "nothing else stored the shorter prefix the same mismatch only misses: a prompt of "
         "`k*bs+1` tokens never hits its own store.)",
+        fix="look up and load the same prefix length: compute it once in `get_num_new_matched_tokens` and carry it in the request's metadata.",
+        reproducer="docs/vllm-findings/EX-2.py",
     ),
     Finding(
         "EX-3", "ExampleConnector", "WRK-013", r"was loaded with wrong bytes",
@@ -83,6 +92,8 @@ FINDINGS: tuple[Finding, ...] = (
         "File names are the prompt hash and the layer name, without the rank. Each TP rank "
         "holds other heads, so the ranks overwrite each other's files and a hit loads another "
         "rank's heads into this rank's cache: the bytes differ from what the rank computed.",
+        fix="put the TP rank (and the PP rank) into every file name, as vLLM's block hashes leave them out.",
+        reproducer="docs/vllm-findings/EX-3.py",
     ),
     Finding(
         "EX-4", "ExampleConnector", "SCH-020", r"under another cache salt or LoRA id",
@@ -92,6 +103,8 @@ FINDINGS: tuple[Finding, ...] = (
         "`cache_salt` (the tenant isolation vLLM's own prefix cache honours) or another LoRA "
         "adapter loads KV computed for someone else: a cross-tenant leak and wrong KV for "
         "LoRA.",
+        fix="build the storage key from the request's block hashes, which vLLM salts with the cache salt and the LoRA name, instead of the bare token ids.",
+        reproducer="docs/vllm-findings/EX-4.py",
     ),
     Finding(
         "EX-5", "ExampleConnector", "SCH-004", r"match count -\d+",
@@ -101,16 +114,22 @@ FINDINGS: tuple[Finding, ...] = (
         "prompt. If any earlier prompt of at most `bs+1` tokens stored the empty prefix (its "
         "folder exists), `get_num_new_matched_tokens` returns `-bs`, which vLLM's scheduler "
         "adds to the request's computed tokens.",
+        fix="clamp the aligned length at zero (`max(0, ...)`) so a one-token prompt matches nothing.",
+        reproducer="docs/vllm-findings/EX-5.py",
     ),
     Finding(
         "NX-1", "NixlConnector", "ERR-002", r"with the connector's own params with",
         "connector bug",
         "A client's malformed kv_transfer_params crash the scheduler",
-        "`get_num_new_matched_tokens` uses the request's `kv_transfer_params` without checking "
-        "them: a `remote_engine_id` that is a list (or another field of the wrong type) "
-        "raises `TypeError` inside vLLM's scheduler loop. These params come from the API "
+        "The scheduler role uses the request's `kv_transfer_params` without checking them: "
+        "a `remote_engine_id` that is a list (or another field of the wrong type) raises "
+        "`TypeError` in `on_new_request` (vLLM's `Scheduler.add_request`; kvspec's test "
+        "also trips it in `get_num_new_matched_tokens`), and in vLLM the request is already "
+        "queued, so the next step's `start_load_kv` fails for the requests beside it. These params come from the API "
         "client through the P/D proxy, so one bad request ends the engine core for everyone; "
         "the spec wants a typed error for that request only.",
+        fix="validate `kv_transfer_params` in `on_new_request` and `get_num_new_matched_tokens` (types of `remote_engine_id`, host, port, block ids) and refuse that request alone.",
+        reproducer="docs/vllm-findings/NX-1.py",
     ),
     Finding(
         "NX-2", "NixlConnector", None, r"cannot be partitioned into NIXL regions",

