@@ -91,6 +91,12 @@ class HarnessConfig:
         async_scheduling: Build step N+1's metadata before step N's output arrives (SCH-014).
         prefix_caching: The engine's own prefix cache.
         max_tokens_per_step: Token budget of one step (chunked prefill).
+        token_scale: Tokens per token of the suite's workloads, which are written for
+            blocks of ``block_size // token_scale`` tokens (4): every token of a full
+            design block becomes ``token_scale`` tokens, the tokens after the last full
+            block stay single, so a prompt keeps its full blocks, its shared prefixes and
+            its remainder at any block size (``scale_request``). ``config_for`` sets it
+            for connectors that declare a larger block size.
         realloc_after_load: Call ``update_state_after_alloc`` again, with
             ``num_external_tokens=0``, when a request whose async load finished is scheduled
             (True, the default, as vLLM does; SCH-009 allows both).
@@ -131,6 +137,7 @@ class HarnessConfig:
     async_scheduling: bool = False
     prefix_caching: bool = True
     max_tokens_per_step: int = 32
+    token_scale: int = 1
     realloc_after_load: bool = True
     preempted_hold_s: float = 0.0
     transfer_timeout_s: float = 10.0
@@ -146,7 +153,7 @@ class HarnessConfig:
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_size", "block_size", "num_blocks",
-                     "tp_size", "max_tokens_per_step"):
+                     "tp_size", "max_tokens_per_step", "token_scale"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"HarnessConfig.{name} must be an int >= 1, got {v!r}")
@@ -154,6 +161,10 @@ class HarnessConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"HarnessConfig.{name} must be an int >= 0, got {v!r}")
+        if self.block_size % self.token_scale:
+            raise InvalidArgumentError(
+                f"block_size {self.block_size} is not a multiple of token_scale "
+                f"{self.token_scale}")
         if self.num_heads % self.tp_size:
             raise InvalidArgumentError(
                 f"num_heads {self.num_heads} is not divisible by tp_size {self.tp_size}"

@@ -53,7 +53,7 @@ from ._resources import Snapshot, snapshot
 from ._toymodel import ToyModel, tenant_seed
 from ._workers import InProcessWorkers, ProcessWorkers, WorkerGroup
 from .config import HarnessConfig
-from .workload import RequestSpec, Workload
+from .workload import RequestSpec, Workload, scale_request
 from .._tracebacks import hide_unless_harness_bug
 
 __all__ = ["Engine", "RunResult"]
@@ -245,7 +245,9 @@ class Engine:
     # -- public API ------------------------------------------------------------------------
 
     def add_request(self, spec: RequestSpec) -> None:
-        """Add a request to the waiting queue."""
+        """Add a request to the waiting queue (its prompt scaled by the config's
+        ``token_scale``, see ``scale_request``)."""
+        spec = scale_request(spec, self.config.block_size, self.config.token_scale)
         if spec.request_id in self.requests:
             raise InvalidArgumentError(f"request {spec.request_id!r} was already added")
         seed = tenant_seed(spec.cache_salt, spec.lora_id)

@@ -12,7 +12,7 @@ from kvspec.protocols import InvalidArgumentError, freeze_params
 if TYPE_CHECKING:  # hypothesis is imported only when strategies are asked for
     from hypothesis.strategies import SearchStrategy
 
-__all__ = ["RequestSpec", "Workload", "workloads"]
+__all__ = ["RequestSpec", "Workload", "scale_request", "workloads"]
 
 
 def _tokens(value: Any) -> tuple[int, ...]:
@@ -148,3 +148,18 @@ def workloads(
         return Workload(tuple(reqs), name="generated")
 
     return build()
+
+
+def scale_request(spec: RequestSpec, block_size: int, token_scale: int) -> RequestSpec:
+    """``spec`` with its prompt scaled from design blocks of ``block_size // token_scale``
+    tokens to blocks of ``block_size``: each token of a full design block ``t`` becomes the
+    ``token_scale`` tokens ``t*s .. t*s+s-1``, each token after the last full design block
+    becomes ``t*s``. Full blocks, shared prefixes (block for block) and the remainder are
+    kept, so a workload written for small blocks tests the same traps at any block size."""
+    if token_scale == 1:
+        return spec
+    design = block_size // token_scale
+    full = len(spec.prompt) // design * design
+    prompt = [t * token_scale + j for t in spec.prompt[:full] for j in range(token_scale)]
+    prompt += [t * token_scale for t in spec.prompt[full:]]
+    return attrs.evolve(spec, prompt=tuple(prompt))

@@ -88,7 +88,7 @@ _KNOWN: dict[str, Profile] = {
         port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
         reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
                 "(vLLM 0.32)")
-       for name in ("NixlConnector", "NixlPullConnector")},
+       for name in ("NixlConnector", "NixlPullConnector", "NixlPushConnector")},
 }
 
 _CANNOT_RUN: dict[str, str] = {
