@@ -51,7 +51,7 @@ class SchedulerConnector(Protocol):
         connector can deliver now counts (SCH-006), keyed by salt and LoRA identity
         (SCH-020). ``load_async`` is True if the KV arrives between
         steps (the request then waits for ``finished_recving``, SCH-023); it must be False
-        when ``count`` is 0 or None (SCH-004). For the same stored data the answer is the
+        when ``count`` is 0, and is ignored when ``count`` is None (SCH-004). For the same stored data the answer is the
         same whether the engine schedules synchronously or asynchronously (SCH-014): what
         a reported store makes matchable is matchable once ``update_connector_output``
         returns, not only after the next ``build_connector_meta``.

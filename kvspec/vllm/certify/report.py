@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -48,21 +49,32 @@ class Setup:
 
     Attributes:
         extra: ``--extra KEY=VALUE`` pairs (the connector's ``kv_connector_extra_config``).
-        service: A service command line started before the engines, or None.
+        service: A service command line started before the engines, or None; ``{bin}`` is
+            the directory of the vLLM environment's executables.
         service_wait: ``HOST:PORT`` the service accepts connections on once ready.
+        env: Environment variables of the run; ``{tmp}`` is the run's scratch directory.
+        files: Files written into the scratch directory first (name: text).
     """
 
     extra: Mapping[str, Any] = attrs.field(factory=dict)
     service: str | None = None
     service_wait: str | None = None
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    files: Mapping[str, str] = attrs.field(factory=dict)
 
-    def args(self) -> list[str]:
+    def args(self, bin_dir: str = "") -> list[str]:
         """The ``kvspec conform`` options."""
         out = [f"--extra={k}={json.dumps(v)}" for k, v in self.extra.items()]
         if self.service:
-            out += [f"--service={self.service}", "--service-timeout=120"]
+            out += [f"--service={self.service.format(bin=bin_dir)}", "--service-timeout=120"]
             out += [f"--service-wait={self.service_wait}"] if self.service_wait else []
         return out
+
+    def prepare(self, tmp: str) -> dict[str, str]:
+        """Write ``files`` into ``tmp``; the environment of the run."""
+        for name, text in self.files.items():
+            Path(tmp, name).write_text(text)
+        return {**os.environ, **{k: v.format(tmp=tmp) for k, v in self.env.items()}}
 
 
 SETUPS: Mapping[str, Setup] = {
@@ -73,10 +85,22 @@ SETUPS: Mapping[str, Setup] = {
     ]}),
     "LMCacheMPConnector": Setup(
         extra={"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": 5555},
-        service="lmcache server --supported-transfer-mode auto --l1-size-gb 1 "
+        env={"LMCACHE_DISABLE_BANNER": "1"},
+        service="{bin}/lmcache server --supported-transfer-mode auto --l1-size-gb 1 "
                 "--eviction-policy LRU --chunk-size 32",
         service_wait="localhost:5555"),
     "DecodeBenchConnector": Setup(extra={"fill_mean": 0.015, "fill_std": 0.0}),
+    "MooncakeStoreConnector": Setup(
+        env={"MOONCAKE_CONFIG_PATH": "{tmp}/mooncake.json"},
+        files={"mooncake.json": json.dumps({
+            "metadata_server": "http://127.0.0.1:8091/metadata",
+            "master_server_address": "127.0.0.1:50051", "protocol": "tcp",
+            "device_name": "", "global_segment_size": "128MB",
+            "local_buffer_size": "128MB"})},
+        service="{bin}/mooncake_master --rpc_port=50051 --enable_http_metadata_server=true "
+                "--http_metadata_server_host=127.0.0.1 --http_metadata_server_port=8091 "
+                "--metrics_port=9013",
+        service_wait="127.0.0.1:50051"),
 }
 """Connectors that need configuration or a service to run at all."""
 
@@ -153,12 +177,14 @@ def run_connector(name: str, *, python: str = sys.executable,
     read its JSON report (a copy goes to ``keep/NAME.json`` when ``keep`` is a directory)."""
     with tempfile.TemporaryDirectory(prefix="kvspec-vllm-cert-") as tmp:
         out = Path(tmp) / "report.json"
+        setup = SETUPS.get(name, Setup())
         cmd = [python, "-m", "kvspec", "conform", f"vllm:{name}", "--report", str(out),
-               *SETUPS.get(name, Setup()).args()]
+               *setup.args(str(Path(python).parent))]
+        env = setup.prepare(tmp)
         cmd += ["--", *pytest_args] if pytest_args else []
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True,
+            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env,
                                   timeout=_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
             return ConnectorRun(name, None, time.perf_counter() - start,
