@@ -231,3 +231,31 @@ def test_metadata_holding_an_object_fails_typed_at_encode() -> None:
 
     with pytest.raises(InvalidArgumentError, match="cannot be encoded without pickle"):
         encode_value({"callback": object()})
+
+
+def test_fixed_length_tuple_fields_round_trip() -> None:
+    """DecodeBenchConnector's metadata holds ``tuple[tuple[list[int], ...], int]``: the codec
+    swapped value and type in fixed-length tuples, and the harness then blamed the connector
+    for ERR-005 in 40 tests. What kvspec encodes it now decodes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnectorMetadata,
+    )
+
+    meta = DecodeBenchConnectorMetadata(reqs_to_fill={"r": (([1, 2, 3], [4]), 5)})
+    assert VllmMetadata.decode(VllmMetadata(meta).encode()).value == meta
+
+
+def test_metadata_kvspec_cannot_read_back_is_kvspecs_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvspec.protocols import HarnessError
+    from kvspec.vllm.certify import _wire
+
+    def broken(cls: type, body: bytes) -> object:
+        raise MalformedMetadataError("simulated codec gap", clause="ERR-005")
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnectorMetadata,
+    )
+
+    monkeypatch.setattr(_wire, "_metadata_value", broken)
+    with pytest.raises(HarnessError, match="cannot decode"):
+        VllmMetadata(DecodeBenchConnectorMetadata(reqs_to_fill={})).encode()

@@ -38,6 +38,8 @@ class Finding:
         fix: For a connector bug, the fix in one or two sentences; else "".
         reproducer: For a connector bug, the standalone vLLM script (``docs/vllm-findings/``,
             vLLM's public API only) that shows it, or None where vLLM cannot reach it.
+        also: Other registered names whose runs the finding explains too: aliases of the
+            same class, and connectors that compose it (MultiConnector).
     """
 
     id: str
@@ -49,12 +51,14 @@ class Finding:
     detail: str
     fix: str = ""
     reproducer: str | None = None
+    also: tuple[str, ...] = ()
 
     def explains(self, connector: str, message: str) -> bool:
         """Whether this finding explains a failure of ``connector`` with ``message``."""
         names = (f"clause {self.clause} " in message if self.clause is not None
                  else not message.startswith("clause "))
-        return connector == self.connector and names and re.search(self.match, message) is not None
+        return (connector in (self.connector, *self.also) and names
+                and re.search(self.match, message) is not None)
 
 
 FINDINGS: tuple[Finding, ...] = (
@@ -71,6 +75,7 @@ FINDINGS: tuple[Finding, ...] = (
         "rows into the whole prompt's slots: the worker raises, which in vLLM ends the engine.",
         fix="store a request only once all of its prompt's blocks are computed (or key each stored chunk by the tokens it holds), and check the file's row count before loading.",
         reproducer="docs/vllm-findings/EX-1.py",
+        also=("MultiConnector",),
     ),
     Finding(
         "EX-2", "ExampleConnector", "ERR-010", r"start_load_kv raised FileNotFoundError",
@@ -84,6 +89,7 @@ FINDINGS: tuple[Finding, ...] = (
         "`k*bs+1` tokens never hits its own store.)",
         fix="look up and load the same prefix length: compute it once in `get_num_new_matched_tokens` and carry it in the request's metadata.",
         reproducer="docs/vllm-findings/EX-2.py",
+        also=("MultiConnector",),
     ),
     Finding(
         "EX-3", "ExampleConnector", "WRK-013", r"was loaded with wrong bytes",
@@ -94,6 +100,7 @@ FINDINGS: tuple[Finding, ...] = (
         "rank's heads into this rank's cache: the bytes differ from what the rank computed.",
         fix="put the TP rank (and the PP rank) into every file name, as vLLM's block hashes leave them out.",
         reproducer="docs/vllm-findings/EX-3.py",
+        also=("MultiConnector",),
     ),
     Finding(
         "EX-4", "ExampleConnector", "SCH-020", r"under another cache salt or LoRA id",
@@ -105,6 +112,7 @@ FINDINGS: tuple[Finding, ...] = (
         "LoRA.",
         fix="build the storage key from the request's block hashes, which vLLM salts with the cache salt and the LoRA name, instead of the bare token ids.",
         reproducer="docs/vllm-findings/EX-4.py",
+        also=("MultiConnector",),
     ),
     Finding(
         "EX-5", "ExampleConnector", "SCH-004", r"match count -\d+",
@@ -116,6 +124,7 @@ FINDINGS: tuple[Finding, ...] = (
         "adds to the request's computed tokens.",
         fix="clamp the aligned length at zero (`max(0, ...)`) so a one-token prompt matches nothing.",
         reproducer="docs/vllm-findings/EX-5.py",
+        also=("MultiConnector",),
     ),
     Finding(
         "NX-1", "NixlConnector", "ERR-002", r"with the connector's own params with",
@@ -130,6 +139,7 @@ FINDINGS: tuple[Finding, ...] = (
         "the spec wants a typed error for that request only.",
         fix="validate `kv_transfer_params` in `on_new_request` and `get_num_new_matched_tokens` (types of `remote_engine_id`, host, port, block ids) and refuse that request alone.",
         reproducer="docs/vllm-findings/NX-1.py",
+        also=("NixlPullConnector", "NixlPushConnector", "MultiConnector"),
     ),
     Finding(
         "NX-2", "NixlConnector", None, r"cannot be partitioned into NIXL regions",
@@ -141,6 +151,7 @@ FINDINGS: tuple[Finding, ...] = (
         "connectors to size transfers by the budget and accept a larger capacity (LAY-003, "
         "kvcached PR 313). A NIXL connector run on kvcached's tensors needs that assertion "
         "relaxed to `>=`.",
+        also=("NixlPullConnector", "NixlPushConnector", "MultiConnector"),
     ),
 )
 

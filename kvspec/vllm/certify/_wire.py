@@ -124,7 +124,7 @@ def _build(value: Any, typ: Any, where: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ValueError(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_build(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(args, value)))
+            return tuple(_build(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
         item = args[0] if args else Any
         items = [_build(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         kind = origin or typ
@@ -299,14 +299,20 @@ class VllmMetadata:
         """The class path and the fields, in MessagePack.
 
         Raises:
-            HarnessError: kvspec's codec cannot carry this metadata class without pickle
-                (vLLM pickles it, so that is kvspec's gap, not the connector's fault).
+            HarnessError: kvspec's codec cannot carry this metadata class without pickle, or
+                cannot decode what it encoded (vLLM pickles it, so either is kvspec's gap,
+                not the connector's fault).
         """
         cls = type(self.value)
         try:
             payload = _metadata_payload(self.value)
         except InvalidArgumentError as e:
             raise carry_gap(e) from e
+        try:  # what kvspec writes, kvspec must read back: else the gap is kvspec's
+            _metadata_value(cls, payload)
+        except MalformedMetadataError as e:
+            raise HarnessError(f"kvspec's codec encoded a {cls.__qualname__} it cannot decode "
+                               f"({e.message}); vLLM pickles it") from e
         return _ENCODER.encode(_Envelope("vllm-metadata", f"{cls.__module__}:{cls.__qualname__}",
                                          msgspec.Raw(payload)))
 

@@ -127,9 +127,12 @@ class VllmConnectorFactory:
         """The layout and block size vLLM's engine core resolves for this connector on this
         platform (computed once)."""
         if self._platform is None:
+            from kvspec.conformance.harness.config import connector_extra
+
             config = EngineConfigView(  # a sample engine: nothing is written to its tmpdir
                 engine_id="kvspec-platform", role=TransferRole.BOTH, num_layers=2,
-                block_size=32, num_blocks=1, extra={"kvspec.tmpdir": tempfile.gettempdir()})
+                block_size=32, num_blocks=1,
+                extra={**connector_extra(), "kvspec.tmpdir": tempfile.gettempdir()})
             with _ours("resolving the KV-cache layout as vLLM's engine core does"):
                 vconf = self._vllm_config(config, None, cache_layout=None)
                 names = tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers))
