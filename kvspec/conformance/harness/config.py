@@ -211,11 +211,15 @@ class HarnessConfig:
     def engine_view(self, tmpdir: str) -> EngineConfigView:
         """What the connector factory receives: ``extra`` is the user's connector
         configuration (``connector_extra``), then this config's own, then
-        ``extra['kvspec.tmpdir']``, ``tmpdir``."""
+        ``extra['kvspec.tmpdir']``, ``tmpdir``, and ``extra['kvspec.model']``, the model's
+        KV heads (all ranks), head size and dtype, for adapters that must tell every role
+        the same model (the vLLM wrapper)."""
         return EngineConfigView(
             engine_id=self.engine_id, role=self.role, num_layers=self.num_layers,
             block_size=self.block_size, num_blocks=self.num_blocks, tp_size=self.tp_size,
-            extra={**connector_extra(), **self.extra, "kvspec.tmpdir": tmpdir},
+            extra={**connector_extra(), **self.extra, "kvspec.tmpdir": tmpdir,
+                   "kvspec.model": {"num_kv_heads": self.num_heads, "head_size": self.head_size,
+                                    "dtype": self.dtype}},
             async_scheduling=self.async_scheduling,
         )
 

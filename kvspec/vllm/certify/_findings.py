@@ -40,6 +40,7 @@ class Finding:
             vLLM's public API only) that shows it, or None where vLLM cannot reach it.
         also: Other registered names whose runs the finding explains too: aliases of the
             same class, and connectors that compose it (MultiConnector).
+        no_reproducer: For a connector bug without ``reproducer``, why there is none.
     """
 
     id: str
@@ -52,6 +53,7 @@ class Finding:
     fix: str = ""
     reproducer: str | None = None
     also: tuple[str, ...] = ()
+    no_reproducer: str = ""
 
     def explains(self, connector: str, message: str) -> bool:
         """Whether this finding explains a failure of ``connector`` with ``message``."""
@@ -152,6 +154,55 @@ FINDINGS: tuple[Finding, ...] = (
         "kvcached PR 313). A NIXL connector run on kvcached's tensors needs that assertion "
         "relaxed to `>=`.",
         also=("NixlPullConnector", "NixlPushConnector", "MultiConnector"),
+    ),
+    Finding(
+        "LM-1", "LMCacheMPConnector", "ERR-009",
+        r"still open after shutdown in the worker process.*anon_inode:\[eventpoll\]",
+        "kvspec stricter",
+        "Its worker keeps a process-wide ZMQ context after shutdown",
+        "The connector's message-queue clients use `zmq.Context.instance()`, a singleton "
+        "that shutdown closes the sockets of but never terminates: its I/O thread, its "
+        "eventfd and epoll descriptors stay open in the worker process. kvspec's ERR-009 "
+        "wants everything a connector opened released at shutdown; the singleton does not "
+        "grow with each engine in one process (in-process engines after the first did not "
+        "flag it), so vLLM, whose worker processes exit with the engine, suffers nothing. "
+        "Owning a context and terminating it in `shutdown` would meet the clause.",
+        also=(),
+    ),
+    Finding(
+        "LM-2", "LMCacheMPConnector", "SCH-001",
+        r"answered \(\d+, True\) and then \(0, False\)",
+        "connector bug",
+        "Asked again about a request, it takes its own first answer for a failed load and "
+        "drops the hit",
+        "`get_num_new_matched_tokens` marks the request's tracker READY when its lookup "
+        "hits. Asked again while the request still has no computed tokens, it reads that "
+        "state as 'an asynchronous load failed', logs so, and bypasses LMCache for the "
+        "request: `(0, False)`. vLLM's scheduler asks again whenever it could not allocate "
+        "blocks for the request after a hit (memory pressure, the preemption scenario here), "
+        "so under pressure the hit is lost and the whole prompt recomputed, with a warning "
+        "about a load that never started.",
+        fix="tell a repeated question from a failed load by the request's state (a failed "
+        "load passes through WAITING_FOR_REMOTE_KVS and update_state_after_alloc; a repeated "
+        "lookup does not) and answer it from the kept lookup result.",
+        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
+        "multi-process layout (an in-process vLLM-CPU engine crashes at worker start once "
+        "LMCache has imported numba) and memory pressure after a hit",
+    ),
+    Finding(
+        "LM-3", "LMCacheMPConnector", "SCH-020", r"request 'lora-\d+'.*holds the KV of the same tokens",
+        "connector bug",
+        "Stored KV is shared across LoRA adapters",
+        "Lookup and store keys carry the tokens and the cache salt but no LoRA identity (the "
+        "adapter passes `lora_id=None` throughout), so a request with a LoRA adapter loads "
+        "KV that the base model, or another adapter, computed for the same tokens: wrong "
+        "KV, silently, for every LoRA request after a base-model request with the prefix. "
+        "(Cache salts are honoured: the salted tenants of the same scenario pass.)",
+        fix="put the request's LoRA name (vLLM's `lora_request.lora_name`, which vLLM's own "
+        "block hashes include) into the lookup and storage keys.",
+        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
+        "multi-process layout (an in-process vLLM-CPU engine crashes at worker start once "
+        "LMCache has imported numba), and a LoRA adapter for the tiny model",
     ),
 )
 

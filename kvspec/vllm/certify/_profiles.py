@@ -45,8 +45,6 @@ class Profile:
             P/D proxy adds them to the prefill request, or None.
         unavailable: Why the connector cannot run on this machine, or None.
         reading: Where the declaration comes from, for the report.
-        distributed: The worker role asks vLLM's parallel state for its TP rank: the
-            wrapper initialises a gloo process group of the engine's TP size first.
         port_env: Environment variable the scheduler role reads its side-channel port
             from: the wrapper sets a free port on 127.0.0.1 while building it.
     """
@@ -57,7 +55,6 @@ class Profile:
     producer_params: Mapping[str, Any] | None = None
     unavailable: str | None = None
     reading: str = "derived from the methods the class overrides"
-    distributed: bool = False
     port_env: str | None = None
 
 
@@ -84,7 +81,6 @@ _KNOWN: dict[str, Profile] = {
                      accepted_layouts=("LBHNC",), heterogeneous_tp=True,
                      failure_reporting=FailureReporting.INVALID_BLOCKS, block_sizes=(32,)),
         transfer={"kv_buffer_device": "cpu"}, producer_params={"do_remote_decode": True},
-        distributed=True,
         port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
         reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
                 "(vLLM 0.32)")

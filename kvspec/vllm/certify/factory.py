@@ -200,9 +200,24 @@ class VllmConnectorFactory:
 _LAYER_NAMES = "model.layers.{}.attn"
 
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def _model_shape(config: EngineConfigView, layout: KVCacheLayout | None) -> _objects.ModelShape:
-    """The model shape a role is told: a worker's from its layout (KV heads over every TP
-    rank); the scheduler role, which sees no layout, gets one KV head of 64 per rank."""
+    """The model both roles are told, as vLLM gives both one ``VllmConfig``: the engine's
+    (``extra["kvspec.model"]``, which the harness sets: KV heads over every TP rank, head
+    size, dtype), else a worker's from its layout; a bare sample configuration gets one KV
+    head of 64 per rank. Connectors key stored KV by the model (LMCache's MP connector
+    does), so the two roles must agree."""
+    model = config.extra.get("kvspec.model")
+    if isinstance(model, Mapping):
+        try:
+            return _objects.ModelShape(config.num_layers, int(model["num_kv_heads"]),
+                                       int(model["head_size"]), _DTYPES[model["dtype"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"EngineConfigView.extra['kvspec.model'] is {dict(model)!r}: {e}; expected "
+                "num_kv_heads, head_size and dtype") from None
     if layout is None:
         return _objects.ModelShape(config.num_layers, config.tp_size, 64, torch.float32)
     return _objects.ModelShape(config.num_layers, layout.num_heads * config.tp_size,
@@ -248,8 +263,9 @@ def _free_port() -> int:
 
 
 class _ProcessGroup:
-    """vLLM's TP group in this process, built by the wrapper for the workers that need one
-    and destroyed when the last of them shuts down (the group holds sockets and pipes)."""
+    """vLLM's TP group in this process, built by the wrapper for its workers as vLLM's
+    worker processes have one, and destroyed when the last of them shuts down (the group
+    holds sockets and pipes)."""
 
     users = 0
     owned = False
@@ -328,7 +344,8 @@ class _VllmScheduler(SchedulerConnector):
             kv_config = _objects.kv_cache_config(
                 config.block_size, config.num_blocks,
                 tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers)),
-                attrs.evolve(shape, num_kv_heads=1), factory.platform.layout)
+                attrs.evolve(shape, num_kv_heads=max(1, shape.num_kv_heads // config.tp_size)),
+                factory.platform.layout)
             producer = config.role is TransferRole.PRODUCER
             self._book = _objects.RequestBook(
                 config.block_size, factory.profile.producer_params if producer else None)
@@ -468,10 +485,11 @@ class _VllmWorker(WorkerConnector):
                 attrs.evolve(_model_shape(self._config, layout), num_kv_heads=layout.num_heads),
                 self._factory.platform.layout)
         with _guest():
-            if self._factory.profile.distributed:
-                with _ours("joining vLLM's tensor-parallel process group"):
-                    _ProcessGroup.join(vllm_config, self._config, self._rank)
-                self._in_group = True
+            # every vLLM worker runs inside vLLM's parallel state (MooncakeStoreConnector
+            # and NIXL's ask it for their TP rank): built for every connector alike
+            with _ours("joining vLLM's tensor-parallel process group"):
+                _ProcessGroup.join(vllm_config, self._config, self._rank)
+            self._in_group = True
             with set_current_vllm_config(vllm_config):
                 self._conn = self._factory.connector_class(vllm_config, _role("WORKER"),
                                                            kv_config)

@@ -237,9 +237,11 @@ def _verdict(run: ConnectorRun, counts: Mapping[str, int], ids: Sequence[str]) -
               if "test_engine_starts" in t["key"] and t["outcome"] == "fail"]
     if starts:
         return "does not start: " + ", ".join(ids or ["unexplained"])
+    loaded = sum((t.get("loads") or {}).get("loads", 0) for t in report.get("tests", ()))
+    blind = "" if loaded else " (no test loaded anything: its load path is unchecked)"
     if counts["fail"] or counts.get("error", 0):
-        return "certified with findings: " + (", ".join(ids) or "-")
-    return "certified, no finding"
+        return "certified with findings: " + (", ".join(ids) or "-") + blind
+    return "certified, no finding" + blind
 
 
 def _first_skip(report: Mapping[str, Any]) -> str:
@@ -267,9 +269,13 @@ def _section(run: ConnectorRun, findings: Sequence[Finding],
     if c["skip"] == len(report["tests"]):  # nothing ran: the reasons say it all
         out += [f"All {c['skip']} tests skipped ({run.seconds:.0f} s):", ""]
         return out + _skips(report)
-    out += [f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped of "
-            f"{len(report['tests'])} tests in {run.seconds:.0f} s. The wrapper's declaration "
-            f"({reading(run.name)}):", ""]
+    loads = [t.get("loads") or {} for t in report["tests"]]
+    out += [f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped"
+            + (f", {c['error']} kvspec errors" if c.get("error") else "")
+            + f" of {len(report['tests'])} tests in {run.seconds:.0f} s; "
+            f"{sum(1 for x in loads if x.get('loads'))} tests loaded KV from the connector "
+            f"({sum(x.get('loaded_tokens', 0) for x in loads)} tokens, every byte checked). "
+            f"The wrapper's declaration ({reading(run.name)}):", ""]
     caps = conn["capabilities"]
     out += ["`" + ", ".join(f"{k}={v}" for k, v in caps.items()) + "`", ""]
     out += _clause_rows(report) + [""]
@@ -305,7 +311,7 @@ def _reproduction(run: ConnectorRun, f: Finding) -> list[str]:
     if f.kind != "connector bug":
         return []
     if f.reproducer is None:
-        return ["Reproducer: none; vLLM's engine cannot reach this path (see above).", ""]
+        return [f"Reproducer: none, {f.no_reproducer or 'vLLM cannot reach this path'}.", ""]
     got = run.reproductions.get(f.id)
     if got is None:
         return [f"Reproducer: `{f.reproducer}` (not run with this certification).", ""]
