@@ -45,8 +45,6 @@ class Profile:
             P/D proxy adds them to the prefill request, or None.
         unavailable: Why the connector cannot run on this machine, or None.
         reading: Where the declaration comes from, for the report.
-        port_env: Environment variable the scheduler role reads its side-channel port
-            from: the wrapper sets a free port on 127.0.0.1 while building it.
     """
 
     capabilities: Capabilities
@@ -55,7 +53,6 @@ class Profile:
     producer_params: Mapping[str, Any] | None = None
     unavailable: str | None = None
     reading: str = "derived from the methods the class overrides"
-    port_env: str | None = None
 
 
 def _storage(config: EngineConfigView) -> dict[str, Any]:
@@ -81,7 +78,6 @@ _KNOWN: dict[str, Profile] = {
                      accepted_layouts=("LBHNC",), heterogeneous_tp=True,
                      failure_reporting=FailureReporting.INVALID_BLOCKS, block_sizes=(32,)),
         transfer={"kv_buffer_device": "cpu"}, producer_params={"do_remote_decode": True},
-        port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
         reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
                 "(vLLM 0.32)")
        for name in ("NixlConnector", "NixlPullConnector")},

@@ -256,6 +256,13 @@ def _release(holder: Any) -> None:
     gc.collect()
 
 
+_SIDE_CHANNEL_PORTS = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_MOONCAKE_BOOTSTRAP_PORT")
+"""Environment variables vLLM's connectors read their side-channel port from (NIXL's, also
+inside a MultiConnector, and Mooncake's): every scheduler role gets a free port on
+127.0.0.1, as two engines on one host must be configured (on one port, the second engine's
+NIXL listener never binds and vLLM waits for it without a timeout)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -350,9 +357,9 @@ class _VllmScheduler(SchedulerConnector):
             self._book = _objects.RequestBook(
                 config.block_size, factory.profile.producer_params if producer else None)
         with _guest(), set_current_vllm_config(self._vllm_config):
-            if factory.profile.port_env:
-                os.environ[factory.profile.port_env] = str(_free_port())
-                os.environ[factory.profile.port_env.replace("_PORT", "_HOST")] = "127.0.0.1"
+            for env in _SIDE_CHANNEL_PORTS:  # each engine its own, as a deployment gives
+                os.environ[env] = str(_free_port())
+                os.environ[env.replace("_PORT", "_HOST")] = "127.0.0.1"
             self._conn = factory.connector_class(self._vllm_config, _role("SCHEDULER"), kv_config)
 
     def _req(self, request: RequestView) -> Any:

@@ -62,9 +62,11 @@ class Setup:
     env: Mapping[str, str] = attrs.field(factory=dict)
     files: Mapping[str, str] = attrs.field(factory=dict)
 
-    def args(self, bin_dir: str = "") -> list[str]:
-        """The ``kvspec conform`` options."""
-        out = [f"--extra={k}={json.dumps(v)}" for k, v in self.extra.items()]
+    def args(self, bin_dir: str = "", tmp: str = "") -> list[str]:
+        """The ``kvspec conform`` options (``{tmp}`` in the extra config is the run's
+        scratch directory)."""
+        out = [f"--extra={k}={json.dumps(v).replace('{tmp}', tmp)}"
+               for k, v in self.extra.items()]
         if self.service:
             out += [f"--service={self.service.format(bin=bin_dir)}", "--service-timeout=120"]
             out += [f"--service-wait={self.service_wait}"] if self.service_wait else []
@@ -80,7 +82,7 @@ class Setup:
 SETUPS: Mapping[str, Setup] = {
     "MultiConnector": Setup(extra={"connectors": [
         {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-         "kv_connector_extra_config": {"shared_storage_path": "/tmp/kvspec-multi-example"}},
+         "kv_connector_extra_config": {"shared_storage_path": "{tmp}/example-store"}},
         {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
     ]}),
     "LMCacheMPConnector": Setup(
@@ -104,7 +106,7 @@ SETUPS: Mapping[str, Setup] = {
 }
 """Connectors that need configuration or a service to run at all."""
 
-_TIMEOUT_S = 3600
+_TIMEOUT_S = 1200  # a connector that hangs (a wait without timeout) ends its run here
 
 
 @attrs.frozen
@@ -179,7 +181,7 @@ def run_connector(name: str, *, python: str = sys.executable,
         out = Path(tmp) / "report.json"
         setup = SETUPS.get(name, Setup())
         cmd = [python, "-m", "kvspec", "conform", f"vllm:{name}", "--report", str(out),
-               *setup.args(str(Path(python).parent))]
+               *setup.args(str(Path(python).parent), tmp)]
         env = setup.prepare(tmp)
         cmd += ["--", *pytest_args] if pytest_args else []
         start = time.perf_counter()
