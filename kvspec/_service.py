@@ -2,7 +2,8 @@
 
 ``kvspec conform --service CMD --service-wait HOST:PORT`` starts ``CMD`` before the engines,
 waits until ``HOST:PORT`` accepts a TCP connection (bounded), and stops it after the run:
-SIGTERM to its process group, SIGKILL when it has not exited within a few seconds.
+SIGTERM to its process group and every process below it, SIGKILL when one has not exited
+within a few seconds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +79,11 @@ def running_service(command: str, wait_for: str | None, *, timeout_s: float = 60
         if log is not None:
             out.close()  # type: ignore[union-attr]
         raise InvalidArgumentError(f"cannot start service {command!r}: {e}") from None
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # a SIGTERM (a CI timeout, `timeout`) ends the run through the finally below,
+        # which stops the service, instead of killing Python with the service left running
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         deadline = time.monotonic() + timeout_s
         while address is not None and not _accepts(*address):
@@ -92,19 +99,56 @@ def running_service(command: str, wait_for: str | None, *, timeout_s: float = 60
         yield proc
     finally:
         _stop(proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if log is not None:
             out.close()  # type: ignore[union-attr]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the service's process group, SIGKILL it when it lingers."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, _STOP_GRACE_S)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux ``/proc``; empty elsewhere), children first."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the service's process group and every process below it (a launcher may
+    start the server in a session of its own), SIGKILL what lingers."""
+    targets = _descendants(proc.pid)  # before the launcher dies and its children re-parent
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        while time.monotonic() < deadline and (
+                proc.poll() is None or any(_alive(p) for p in targets)):
+            time.sleep(0.05)
+        if proc.poll() is not None and not any(_alive(p) for p in targets):
+            return

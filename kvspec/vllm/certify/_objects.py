@@ -83,11 +83,13 @@ def tiny_model(shape: ModelShape) -> str:
 def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
                 engine_id: str, block_size: int, tp_size: int, extra: Mapping[str, Any],
                 transfer: Mapping[str, Any], model: ModelShape,
-                cache_layout: str | None = None) -> Any:
+                cache_layout: str | None = None, num_blocks: int | None = None) -> Any:
     """A real ``VllmConfig`` selecting ``connector``, as vLLM's engine gives one to every
     connector: with a model of ``model``'s shape (its ``config.json`` only; no weights are
-    loaded) and ``cache_layout`` as the resolved KV-cache layout (``platform_kv``), None
-    only while that layout is being resolved."""
+    loaded), ``cache_layout`` as the resolved KV-cache layout (``platform_kv``), None
+    only while that layout is being resolved, and ``num_blocks`` as
+    ``cache_config.num_gpu_blocks``, which vLLM's engine core sets from the KV-cache
+    configuration before the workers allocate their caches."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -110,6 +112,8 @@ def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
     )
     if cache_layout is not None:
         config.cache_config.kv_cache_layout = cache_layout
+    if num_blocks is not None:
+        config.cache_config.num_gpu_blocks = num_blocks
     return config
 
 
@@ -208,6 +212,9 @@ class RequestBook:
         self._status = {k: VllmStatus[v] for k, v in _STATUS.items()}
         self._params_for_new = dict(params_for_new) if params_for_new else None
         self._live: dict[str, Any] = {}
+        self.block_ids: dict[str, tuple[list[int], ...]] = {}
+        """Each live request's current block table, per group, as vLLM's KV-cache manager
+        holds it (``KVConnectorBlockState`` resolves through it)."""
 
     def __len__(self) -> int:
         return len(self._live)
@@ -231,6 +238,7 @@ class RequestBook:
     def drop(self, request_id: str) -> None:
         """Forget a request (after ``request_finished``)."""
         self._live.pop(request_id, None)
+        self.block_ids.pop(request_id, None)
 
     def _create(self, view: RequestView) -> Any:
         from vllm.lora.request import LoRARequest
@@ -273,13 +281,19 @@ def _ids(blocks: AllocatedBlocks) -> tuple[list[int], ...]:
 def scheduler_output(view: SchedulerOutputView, book: RequestBook, groups: int) -> Any:
     """A ``SchedulerOutputView`` as vLLM's ``SchedulerOutput`` (the requests it names are
     brought up to date in ``book`` first, as vLLM's scheduler has them when it builds one)."""
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import (
+        CachedRequestData,
+        KVConnectorBlockState,
+        NewRequestData,
+        SchedulerOutput,
+    )
 
     new = []
     for nv in view.scheduled_new_reqs:
         req = book.get(nv.request)
         req.num_computed_tokens = nv.num_computed_tokens
         new.append(NewRequestData.from_request(req, _ids(nv.blocks)))
+        book.block_ids[nv.request.request_id] = _ids(nv.blocks)
     cached = CachedRequestData.make_empty()
     for cv in view.scheduled_cached_reqs:
         req = book.known(cv.request_id)
@@ -289,6 +303,12 @@ def scheduler_output(view: SchedulerOutputView, book: RequestBook, groups: int) 
             cached.all_token_ids[cv.request_id] = list(req.all_token_ids) if req else []
         cached.new_token_ids.append(list(cv.new_token_ids))
         cached.new_block_ids.append(_ids(cv.new_blocks) if cv.new_blocks.groups else None)
+        table = book.block_ids.get(cv.request_id)
+        if cv.resumed_from_preemption or table is None:
+            book.block_ids[cv.request_id] = _ids(cv.new_blocks)
+        else:
+            for group, added in zip(table, cv.new_blocks.groups):
+                group.extend(added)
         cached.num_computed_tokens.append(cv.num_computed_tokens)
         cached.num_output_tokens.append(len(req.output_token_ids) if req else 0)
     tokens = dict(view.num_scheduled_tokens)
@@ -298,6 +318,11 @@ def scheduler_output(view: SchedulerOutputView, book: RequestBook, groups: int) 
         scheduled_encoder_inputs={}, num_common_prefix_blocks=[0] * groups,
         finished_req_ids=set(view.finished_req_ids), free_encoder_mm_hashes=[],
         preempted_req_ids=set(view.preempted_req_ids),
+        # vLLM's scheduler offers every connector the current block tables of the step's
+        # requests (MooncakeStoreConnector saves from them)
+        kv_connector_block_state=KVConnectorBlockState(
+            req_ids=set(tokens), boundary_state_offloads={},
+            resolve_block_ids=lambda rid: tuple(list(g) for g in book.block_ids.get(rid, ()))),
     )
 
 

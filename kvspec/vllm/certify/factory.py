@@ -181,7 +181,8 @@ class VllmConnectorFactory:
             connector=self._name, module_path=self._module, role=config.role,
             engine_id=config.engine_id, block_size=config.block_size, tp_size=config.tp_size,
             extra={**self.profile.extra(config), **extra}, transfer=self.profile.transfer,
-            model=_model_shape(config, layout), cache_layout=cache_layout)
+            model=_model_shape(config, layout), cache_layout=cache_layout,
+            num_blocks=config.num_blocks)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
         """vLLM's scheduler role, wrapped."""
