@@ -31,6 +31,7 @@ import base64
 import contextlib
 import gc
 import os
+import random
 import socket
 import tempfile
 import uuid
@@ -265,9 +266,20 @@ NIXL listener never binds and vLLM waits for it without a timeout)."""
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now on 127.0.0.1, below Linux's ephemeral range (32768 and up): the
+    connector binds it later, and a port the kernel hands out for outgoing connections
+    (ZMQ, gloo, NIXL agents) in between would make that bind fail; vLLM's NIXL scheduler
+    then waits for its listener without a timeout."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise HarnessError("kvspec's vLLM wrapper found no free port in 20000-31999 for a "
+                       "connector's side channel")
 
 
 class _ProcessGroup:
