@@ -234,7 +234,8 @@ def _verdict(run: ConnectorRun, counts: Mapping[str, int], ids: Sequence[str]) -
     if counts.get("error", 0):
         parts.append(f"{counts['error']} tests hit kvspec's own gaps (kvspec errors, not "
                      "the connector's)")
-    return ("certified, " + "; ".join(parts) if parts else "certified, no finding") + blind
+    head = "partly certified, " if counts.get("error", 0) else "certified, "
+    return (head + "; ".join(parts) if parts else "certified, no finding") + blind
 
 
 def _first_skip(report: Mapping[str, Any]) -> str:
