@@ -141,7 +141,7 @@ def test_the_published_page_has_a_row_for_every_registered_connector() -> None:
             if line.startswith("| ") and line.split("|")[1].strip() in CONNECTORS]
     assert len(rows) == len(CONNECTORS) == 17
     ran = [r for r in rows if "certified" in r or "does not start" in r]
-    assert len(ran) >= 8, rows
+    assert len(ran) >= 6, rows
     assert all("certified" in r or "cannot run here: " in r or "does not start" in r
                for r in rows), rows
 
