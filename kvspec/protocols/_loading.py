@@ -10,18 +10,57 @@ A spec may also name a connector of another engine through a *scheme*: ``"vllm:N
 or ``"vllm:pkg.module:ClassName"`` is a vLLM ``KVConnectorBase_V1`` run by
 ``kvspec.vllm.certify``. The scheme's module is imported by name only when a spec uses it,
 so this module still imports nothing else of kvspec.
+
+The connector's own configuration reaches every engine a factory builds, worker processes
+included, as ``$KVSPEC_CONNECTOR_EXTRA`` (``connector_extra``): ``kvspec conform --extra``
+sets it, the harness merges it into ``EngineConfigView.extra``, and the vLLM wrapper reads
+it when it resolves the engine state a connector's class methods need.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import re
+from typing import Any
 
 from .capabilities import Capabilities
 from .connector import ConnectorFactory
 from .errors import InvalidArgumentError
 
-__all__ = ["factory_spec", "load_factory"]
+__all__ = ["EXTRA_ENV", "connector_extra", "factory_spec", "load_factory"]
+
+EXTRA_ENV = "KVSPEC_CONNECTOR_EXTRA"
+"""Environment variable: a JSON object of the connector's own configuration (vLLM's
+``kv_connector_extra_config``), merged into every engine's ``EngineConfigView.extra``.
+``kvspec conform --extra KEY=VALUE`` and ``--extra-file`` set it."""
+
+
+def connector_extra() -> dict[str, Any]:
+    """The user's connector configuration from ``$KVSPEC_CONNECTOR_EXTRA`` ({} when unset).
+
+    Raises:
+        InvalidArgumentError: it is not a JSON object with string keys, or names a
+            ``kvspec.`` key (those are the harness's own).
+    """
+    raw = os.environ.get(EXTRA_ENV, "")
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise InvalidArgumentError(f"${EXTRA_ENV} is not JSON ({e}); expected a JSON object "
+                                   "of the connector's configuration") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"${EXTRA_ENV} is a JSON {type(value).__name__}; expected "
+                                   "an object of the connector's configuration")
+    bad = sorted(k for k in value if k.startswith("kvspec."))
+    if bad:
+        raise InvalidArgumentError(f"${EXTRA_ENV} sets {bad}: 'kvspec.' keys are the "
+                                   "harness's own")
+    return value
+
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 

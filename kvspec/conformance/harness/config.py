@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,38 +18,11 @@ from kvspec.protocols import (
     TransferRole,
     freeze_params,
 )
+from kvspec.protocols._loading import EXTRA_ENV, connector_extra
 
 __all__ = ["EXTRA_ENV", "HarnessConfig", "connector_extra"]
 
-EXTRA_ENV = "KVSPEC_CONNECTOR_EXTRA"
-"""Environment variable: a JSON object of the connector's own configuration (vLLM's
-``kv_connector_extra_config``), merged into every engine's ``EngineConfigView.extra``.
-``kvspec conform --extra KEY=VALUE`` and ``--extra-file`` set it."""
 
-
-def connector_extra() -> dict[str, Any]:
-    """The user's connector configuration from ``$KVSPEC_CONNECTOR_EXTRA`` ({} when unset).
-
-    Raises:
-        InvalidArgumentError: it is not a JSON object with string keys, or names a
-            ``kvspec.`` key (those are the harness's own).
-    """
-    raw = os.environ.get(EXTRA_ENV, "")
-    if not raw.strip():
-        return {}
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise InvalidArgumentError(f"${EXTRA_ENV} is not JSON ({e}); expected a JSON object "
-                                   "of the connector's configuration") from None
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(f"${EXTRA_ENV} is a JSON {type(value).__name__}; expected "
-                                   "an object of the connector's configuration")
-    bad = sorted(k for k in value if k.startswith("kvspec."))
-    if bad:
-        raise InvalidArgumentError(f"${EXTRA_ENV} sets {bad}: 'kvspec.' keys are the "
-                                   "harness's own")
-    return value
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

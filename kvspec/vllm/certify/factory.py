@@ -128,7 +128,7 @@ class VllmConnectorFactory:
         """The layout and block size vLLM's engine core resolves for this connector on this
         platform (computed once)."""
         if self._platform is None:
-            from kvspec.conformance.harness.config import connector_extra
+            from kvspec.protocols._loading import connector_extra
 
             config = EngineConfigView(  # a sample engine: nothing is written to its tmpdir
                 engine_id="kvspec-platform", role=TransferRole.BOTH, num_layers=2,
