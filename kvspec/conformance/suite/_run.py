@@ -67,8 +67,8 @@ def start_engine(factory: ConnectorFactory) -> None:
     """Start an engine on ``factory`` in its first layout and block size (build every
     role, register the KV caches, exchange handshakes) and shut it down again."""
     with tempfile.TemporaryDirectory(prefix="kvspec-start-") as tmp:
-        with Engine(factory, config_for(factory.capabilities), tmpdir=tmp):
-            pass
+        # a constructor that fails releases what it built (Engine._abandon)
+        Engine(factory, config_for(factory.capabilities), tmpdir=tmp).shutdown()
 
 
 _STARTS: dict[tuple[str, str], tuple[ConnectorFactory, str | None]] = {}
