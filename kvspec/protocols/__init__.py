@@ -60,6 +60,7 @@ from .negotiation import (
     ResolvedLayout,
     negotiate_layout,
 )
+from .blockrefs import BlockReferences
 from .events import (
     AllBlocksCleared,
     BlockHash,
@@ -119,6 +120,7 @@ __all__ = [
     "AllBlocksCleared",
     "AllocatedBlocks",
     "BlockHash",
+    "BlockReferences",
     "BlockRemoved",
     "BlockStored",
     "CachedRequestView",

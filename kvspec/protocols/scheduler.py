@@ -10,6 +10,7 @@ from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from .blockrefs import BlockReferences
 from .events import KVCacheEvent, KVConnectorOutput
 from .metadata import ConnectorMetadata, HandshakeMetadata
 from .views import AllocatedBlocks, RequestView, SchedulerOutputView
@@ -154,6 +155,32 @@ class SchedulerConnector(Protocol):
         Default: does nothing.
         """
         return None
+
+    def bind_block_references(self, references: BlockReferences) -> None:
+        """Receive the engine's block references, to keep blocks past their request (SCH-030).
+
+        When: once, after the engine's block pool exists and before the first step.
+        May assume: ``references`` stays valid until ``shutdown``.
+        Must never: take a reference on a block no request holds; keep a reference once it
+        reports no pending work (``has_pending_work``) or after ``shutdown``.
+        Default: ignores them.
+        """
+        return None
+
+    def has_pending_work(self) -> bool:
+        """Say whether work is in flight that only a later step can complete (SCH-029).
+
+        When: whenever the engine decides whether to step again, in particular once every
+        request has finished; the engine keeps stepping (steps that schedule nothing)
+        while it returns True.
+        Must: return True only while a transfer or store it started is unreported (a
+        background store whose completion arrives in a later ``update_connector_output``,
+        a push to a peer that has not yet registered) and turn False within a bounded
+        time, also when the peer never answers; hold no block reference (SCH-030) once it
+        returns False.
+        Default: False.
+        """
+        return False
 
     def shutdown(self) -> None:
         """Release every resource of the scheduler role (SCH-027).

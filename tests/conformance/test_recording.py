@@ -134,7 +134,7 @@ def test_the_reference_harness_passes_its_own_checker(tmp_path: Path, factory: A
     spec allows (WRK-004, WRK-008) and skipping empty outputs (SCH-019)."""
     path = tmp_path / "calls.jsonl"
     rec = RecordingConnector(factory(), path)
-    cfg = HarnessConfig(prefix_caching=False, num_blocks=12 if scenario == "preemption" else 64)
+    cfg = HarnessConfig(prefix_caching=False, num_blocks=13 if scenario == "preemption" else 64)
     with Engine(rec, cfg, tmpdir=str(tmp_path)) as e:
         e.run(SCENARIOS[scenario])
     calls = read_calls(path)

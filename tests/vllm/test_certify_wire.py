@@ -259,3 +259,69 @@ def test_metadata_kvspec_cannot_read_back_is_kvspecs_error(monkeypatch: pytest.M
     monkeypatch.setattr(_wire, "_metadata_value", broken)
     with pytest.raises(HarnessError, match="cannot decode"):
         VllmMetadata(DecodeBenchConnectorMetadata(reqs_to_fill={})).encode()
+
+
+def _mooncake_store_meta() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        LoadSpec,
+        MooncakeStoreConnectorMetadata,
+        ReqMeta,
+    )
+
+    meta = MooncakeStoreConnectorMetadata({"r1", "r2"}, {"r0"})
+    meta.add_request(ReqMeta(
+        req_id="r1", token_len_chunk=64, block_ids=([1, 2],), block_hashes=[b"\x01" * 8],
+        can_save=True, load_spec=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=64,
+                                          can_load=True), store_job_id=3))
+    return meta
+
+
+def test_a_plain_class_with_stored_init_parameters_round_trips() -> None:
+    """MooncakeStoreConnectorMetadata's __init__ stores two annotated parameters beside one
+    annotated attribute: the codec reads all three types, and decodes without __init__."""
+    meta = _mooncake_store_meta()
+    back = VllmMetadata.decode(VllmMetadata(meta).encode()).value
+    assert type(back) is type(meta) and vars(back) == vars(meta)
+    assert back.requests[0].load_spec.kvpool_cached_tokens == 64
+
+
+def test_metadata_declared_as_a_base_class_decodes_into_its_subclass() -> None:
+    """MultiConnector's metadata is a tuple of ``KVConnectorMetadata``: each element
+    travels tagged with its own class (a dataclass and a plain class here)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorMetadata,
+    )
+
+    meta = MultiKVConnectorMetadata(metadata=(_example_meta(), _nixl_meta()),
+                                    extra_async_saves={"r1": 2})
+    back = VllmMetadata.decode(VllmMetadata(meta).encode()).value
+    assert [type(m) for m in back.metadata] == [type(m) for m in meta.metadata]
+    assert vars(back.metadata[1]) == vars(meta.metadata[1])
+    assert back.extra_async_saves == {"r1": 2}
+
+
+def test_a_tagged_class_outside_the_declared_base_fails_typed() -> None:
+    data = VllmMetadata(_mooncake_store_meta()).encode()
+    bad = data.replace(b"mooncake.store.data:ReqMeta", b"mooncake.store.data:LoadSpec", 1)
+    assert bad != data
+    with pytest.raises(MalformedMetadataError):
+        VllmMetadata.decode(bad)
+
+
+def test_worker_metadata_crosses_and_aggregates_without_changing_either_side() -> None:
+    """vLLM's executor lets ``aggregate`` grow its accumulator in place (Mooncake's does);
+    the wrapper aggregates copies, so kvspec's aggregator sees no operand change."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        MooncakeStoreWorkerMetadata,
+    )
+
+    from kvspec.vllm.certify._wire import VllmWorkerMetadata
+
+    a = VllmWorkerMetadata(MooncakeStoreWorkerMetadata(completed_saves={1: 1}))
+    b = VllmWorkerMetadata.decode(
+        VllmWorkerMetadata(MooncakeStoreWorkerMetadata(completed_saves={1: 1, 2: 1})).encode())
+    total = a.aggregate(b)
+    assert total.value.completed_saves == {1: 2, 2: 1}
+    assert a.value.completed_saves == {1: 1} and b.value.completed_saves == {1: 1, 2: 1}
+    with pytest.raises(MalformedMetadataError):
+        VllmMetadata.decode(a.encode())  # a worker's value is not step metadata

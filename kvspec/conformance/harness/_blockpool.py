@@ -32,14 +32,18 @@ def block_hashes(
 
 
 class BlockPool:
-    """Reference-counted blocks ``0 .. num_blocks - 1`` with an optional prefix cache."""
+    """Reference-counted blocks ``first .. num_blocks - 1`` with an optional prefix cache.
 
-    def __init__(self, num_blocks: int, *, prefix_caching: bool) -> None:
-        if num_blocks < 1:
-            raise InvalidArgumentError(f"num_blocks must be >= 1, got {num_blocks}")
+    Blocks below ``first`` are never handed out: the engine reserves block 0 as vLLM does
+    (its null block, which stands for a block a request does not hold)."""
+
+    def __init__(self, num_blocks: int, *, prefix_caching: bool, first: int = 0) -> None:
+        if not 0 <= first < num_blocks:
+            raise InvalidArgumentError(
+                f"num_blocks must exceed first ({first}), got {num_blocks}")
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(first, num_blocks))
         self._ref = [0] * num_blocks
         self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -62,6 +66,10 @@ class BlockPool:
                 break
             out.append(b)
         return out
+
+    def refcount(self, block: int) -> int:
+        """How many holders ``block`` has now (requests and connector references)."""
+        return self._ref[block]
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on already-cached blocks (a local prefix hit)."""

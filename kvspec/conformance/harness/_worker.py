@@ -141,7 +141,8 @@ class WorkerRuntime:
         plan = self._plan(kind)
         # Both orders the spec allows, on alternate steps, so a certified connector works
         # under either: vLLM 0.32 starts the loads of a step without synchronous loads
-        # after the forward (WRK-004) and collects the output before the clear (WRK-008).
+        # after the forward (WRK-004). The output is collected before the clear, with the
+        # step's metadata still bound, as vLLM does (WRK-008).
         odd = msg["step"] % 2 == 1
         late_start = odd and not msg.get("sync_loads", True)
         if plan.start_load and not late_start:
@@ -154,12 +155,8 @@ class WorkerRuntime:
             self.connector.start_load_kv(ctx)
         if plan.wait_for_save:
             self.connector.wait_for_save()
-        if odd:
-            out = self.connector.build_connector_output(frozenset(msg["finished"]))
-            self.connector.clear_connector_metadata()
-        else:
-            self.connector.clear_connector_metadata()
-            out = self.connector.build_connector_output(frozenset(msg["finished"]))
+        out = self.connector.build_connector_output(frozenset(msg["finished"]))
+        self.connector.clear_connector_metadata()
         violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
         return out, violations
 

@@ -32,6 +32,7 @@ from kvspec.protocols import (
     DoubleReportError,
     ExecutorConnector,
     InvalidArgumentError,
+    InvalidBlockIdError,
     KVCacheEvent,
     KVSpecError,
     KVConnectorOutput,
@@ -204,8 +205,12 @@ class Engine:
             InProcessWorkers(factory, self.config, self.tmpdir) if self.config.tp_size == 1
             else ProcessWorkers(spec, self.config, self.tmpdir)
         )
-        # The last block is never handed out: padded and dummy tokens write there (DRY-009).
-        self.pool = BlockPool(self.config.num_blocks - 1, prefix_caching=self.config.prefix_caching)
+        # The last block is never handed out: padded and dummy tokens write there (DRY-009);
+        # nor is block 0, vLLM's null block, when the budget leaves room for it.
+        self.pool = BlockPool(self.config.num_blocks - 1, prefix_caching=self.config.prefix_caching,
+                              first=1 if self.config.num_blocks > 2 else 0)
+        self.references = _ConnectorReferences(self)
+        self._pending_since: float | None = None
         self.model = ToyModel(self.config.num_layers, self.config.num_heads,
                               self.config.head_size, self.config.head_size)
         self.requests: dict[str, _Req] = {}
@@ -228,6 +233,9 @@ class Engine:
         self._matched: dict[str, int] = {}
         self._preemptions = 0
         self._completed: set[tuple[str, Direction]] = set()
+        bind = getattr(self.scheduler, "bind_block_references", None)
+        if bind is not None:  # SCH-030: once, after the pool exists, before the first step
+            bind(self.references)
         handshakes = self.workers.handshakes()
         if any(h is not None for h in handshakes.values()):
             self.scheduler.set_xfer_handshake_metadata(
@@ -273,9 +281,37 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        """True when no request is unfinished, no transfer awaited and no step in flight."""
+        """True when no request is unfinished, no transfer awaited, no step in flight and the
+        connector has no pending work (SCH-029)."""
         return (not self.waiting and not self.running and not self.remote
-                and not self.awaited and self._inflight is None)
+                and not self.awaited and self._inflight is None and not self._pending_work())
+
+    def _pending_work(self) -> bool:
+        """Ask the connector whether a later step must complete its work (SCH-029); once
+        nothing else keeps the engine stepping, it must turn False within
+        ``transfer_timeout_s``."""
+        ask = getattr(self.scheduler, "has_pending_work", None)
+        pending = False if ask is None else ask()
+        if not isinstance(pending, bool):
+            self._violate("SCH-029", f"has_pending_work() returned {pending!r}", "a bool")
+        alone = not (self.waiting or self.running or self.remote or self.awaited)
+        if not (pending and alone):
+            self._pending_since = None
+            if not pending and self.references.held and alone:
+                self._violate("SCH-030", "has_pending_work() is False with block references "
+                              f"still held on blocks {self.references.held_ids()}",
+                              "every reference dropped before the connector reports no "
+                              "pending work")
+            return pending
+        now = time.monotonic()
+        if self._pending_since is None:
+            self._pending_since = now
+        elif now - self._pending_since > self.config.transfer_timeout_s:
+            self._violate("SCH-029", "has_pending_work() still True "
+                          f"{now - self._pending_since:.1f} s after the last request ended "
+                          f"(step {self.step_id})", "False within a bounded time once the "
+                          f"work ended, failed or timed out (here {self.config.transfer_timeout_s} s)")
+        return pending
 
     def run(self, workload: Workload, *, max_steps: int = 500) -> RunResult:
         """Serve a workload to completion and return what happened."""
@@ -301,6 +337,10 @@ class Engine:
                 )
             self.step()
         self.drain()
+        if self.references.held:
+            self._violate("SCH-030", f"block references still held after the run on blocks "
+                          f"{self.references.held_ids()}", "every reference dropped by the time "
+                          "the engine is idle")
         leaked = self.pool.check_all_free()
         if leaked:
             raise AssertionError(f"harness bug: blocks {leaked} still referenced after the run")
@@ -370,8 +410,18 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.shutdown()
+            return
+        # The run already failed: that failure is the verdict. What shutting down after it
+        # finds (a thread still busy with the failed step) is a consequence, kept as a note.
+        try:
+            self.shutdown()
+        except Exception as e:
+            note = getattr(exc, "add_note", None)  # Python >= 3.11
+            if note is not None:
+                note(f"then, shutting the engine down: {type(e).__name__}: {e}")
 
     # -- one step --------------------------------------------------------------------------
 
@@ -401,7 +451,7 @@ class Engine:
         else:
             self._process(outputs, violations, plans)
         self._check_awaited()
-        if not plans and (self.awaited or self.pool.holding):
+        if not plans and (self.awaited or self.pool.holding or self._pending_since is not None):
             time.sleep(0.001)  # let the connector's transfers (or held blocks) progress
 
     @staticmethod
@@ -845,3 +895,58 @@ class Engine:
             f"with Engine(factory, HarnessConfig({cfg})) as engine:\n"
             f"    engine.run({wl})"
         )
+
+class _ConnectorReferences:
+    """The harness's ``BlockReferences``: the connector's references on pool blocks (SCH-030).
+
+    A reference counts in the pool like a request's, so a referenced block is neither
+    reallocated nor evicted; a block whose last reference is dropped is poisoned like any
+    freed block, so a connector that reads it afterwards is caught (SCH-017)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._held: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self._engine.pool.num_blocks
+
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
+    def held_ids(self) -> list[int]:
+        return sorted(self._held)[:16]
+
+    def _ids(self, block_ids: Iterable[int], what: str) -> list[int]:
+        ids = list(block_ids)
+        for b in ids:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
+                raise InvalidBlockIdError(
+                    f"BlockReferences.{what}: block id {b!r} is not an int in "
+                    f"[0, {self.num_blocks})")
+        return ids
+
+    def take(self, block_ids: Iterable[int]) -> None:
+        pool = self._engine.pool
+        ids = self._ids(block_ids, "take")
+        for b in ids:
+            if pool.refcount(b) == 0:
+                self._engine._violate(
+                    "SCH-030", f"BlockReferences.take() on block {b}, which no request holds",
+                    "references only on blocks a request holds at the time")
+        pool.touch(ids)
+        for b in ids:
+            self._held[b] = self._held.get(b, 0) + 1
+
+    def drop(self, block_ids: Iterable[int]) -> None:
+        ids = self._ids(block_ids, "drop")
+        for b in ids:
+            if self._held.get(b, 0) == 0:
+                self._engine._violate(
+                    "SCH-030", f"BlockReferences.drop() on block {b}, which the connector "
+                    "holds no reference on", "each reference taken dropped exactly once")
+            self._held[b] -= 1
+            if self._held[b] == 0:
+                del self._held[b]
+            self._engine._poison_freed += self._engine.pool.free([b])

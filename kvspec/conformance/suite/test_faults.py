@@ -135,7 +135,7 @@ class TestFaults(ConformanceSuite):
         after ``handle_preemptions`` returned (then reuses them), so a store that still
         read them stores the poison (or another request's KV), which the same prompts,
         served again, load: the byte checks name WRK-012."""
-        cfg = config_for(self.capabilities, prefix_caching=False, num_blocks=12,
+        cfg = config_for(self.capabilities, prefix_caching=False, num_blocks=13,
                          preempted_hold_s=0.2,
                          extra={FAULTS_KEY: FaultPlan(delay_s=0.15).to_plain()})
         with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:

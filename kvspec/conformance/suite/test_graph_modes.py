@@ -81,4 +81,4 @@ class TestGraphModes(ConformanceSuite):
         assert self.capabilities.layer_hooks is HookGraphMode.CAPTURABLE
         for name in ("full-prompt-hit", "tenants", "preemption"):
             serve(self.factory, SCENARIOS[name], tmp_path / name, graph_mode=GraphMode.FULL,
-                  prefix_caching=False, num_blocks=12 if name == "preemption" else 48)
+                  prefix_caching=False, num_blocks=13 if name == "preemption" else 48)

@@ -305,5 +305,21 @@ CHANGES: tuple[tuple[str, str], ...] = (
      "Was: a deferred match (count None) had to say load_async False. vLLM's scheduler "
      "never reads the flag of a deferred answer, and LMCache's MP connector answers "
      "(None, True) while its lookup runs. Now: the flag of a deferred match is ignored."),
+    ("WRK-008",
+     "Was: the engine may collect a step's output before or after clear_connector_metadata, "
+     "and the harness alternated. vLLM 0.32 always collects it with the metadata bound, and "
+     "MooncakeStoreConnector reads its metadata in get_finished, so half its steps crashed "
+     "in kvspec and none in vLLM. Now: the output is collected before the clear."),
+    ("SCH-029, SCH-030 (pending work, block references)",
+     "New: vLLM 0.32 keeps an idle engine stepping while a connector has pending work "
+     "(has_pending_push_work) and lends connectors its block pool (bind_gpu_block_pool); "
+     "NixlPushConnector and MooncakeStoreConnector need both. kvspec's harness did neither, "
+     "so their hand-offs and store jobs could never finish. Now: the spec has both hooks "
+     "(has_pending_work, bind_block_references) and the harness models them."),
+    ("Engine state: the platform's worker module",
+     "Was: the wrapper did not import vLLM-CPU's worker module, which every vLLM-CPU worker "
+     "process runs first and which stands in for CUDA events, streams and pinned memory; "
+     "MooncakeStoreConnector's torch.cuda.Event() crashed in kvspec only. Now: every process "
+     "of the wrapper imports the platform's worker module."),
 )
 """What kvspec changed because of what certifying vLLM's connectors showed."""

@@ -23,8 +23,10 @@ import torch
 
 from kvspec.protocols import (
     AllocatedBlocks,
+    BlockReferences,
     ForwardContextView,
     ForwardKind,
+    HarnessError,
     InvalidArgumentError,
     KVConnectorOutput,
     KVCacheLayout,
@@ -35,7 +37,7 @@ from kvspec.protocols import (
     thaw_params,
 )
 
-__all__ = ["ModelShape", "PlatformKV", "RequestBook", "forward_context", "kv_cache_config",
+__all__ = ["BlockPoolStandIn", "KVCacheManagerStandIn", "ModelShape", "PlatformKV", "RequestBook", "forward_context", "kv_cache_config",
            "platform_kv", "scheduler_output", "tiny_model", "vllm_blocks", "vllm_config",
            "vllm_output"]
 
@@ -330,11 +332,66 @@ def vllm_output(out: KVConnectorOutput) -> Any:
     """The executor's aggregated kvspec output as vLLM's ``KVConnectorOutput``."""
     from vllm.v1.outputs import KVConnectorOutput as VllmOutput
 
+    from ._wire import VllmWorkerMetadata
+
+    meta = out.worker_metadata
     return VllmOutput(
         finished_sending=set(out.finished_sending), finished_recving=set(out.finished_recving),
         invalid_block_ids=set(out.invalid_block_ids), failed_recving=set(out.failed_recving),
         expected_finished_count=out.expected_finished_count or 0,
+        kv_connector_worker_meta=meta.value if isinstance(meta, VllmWorkerMetadata) else None,
     )
+
+
+class _Missing:
+    """An engine object kvspec's wrapper stands in for: what it does not model yet raises
+    ``HarnessError`` (kvspec's gap, never the connector's fault)."""
+
+    _what = "object"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise HarnessError(f"kvspec's wrapper does not model vLLM's {self._what}.{name} yet")
+
+
+class BlockPoolStandIn(_Missing):
+    """vLLM's scheduler ``BlockPool`` as a connector bound to it uses it
+    (``bind_gpu_block_pool``): blocks by id, ``touch`` and ``free_blocks``, backed by the
+    harness's block references (SCH-030). Block 0 is the null block, as in vLLM."""
+
+    _what = "BlockPool"
+
+    def __init__(self, references: BlockReferences) -> None:
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        self._refs = references
+        self.num_gpu_blocks = references.num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(references.num_blocks)]
+        self.blocks[0].is_null = True
+        self.null_block = self.blocks[0]
+
+    def touch(self, blocks: Any) -> None:
+        ids = [b.block_id for b in blocks]
+        self._refs.take(ids)
+        for b in ids:
+            self.blocks[b].ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        ids = [b.block_id for b in ordered_blocks]
+        self._refs.drop(ids)
+        for b in ids:
+            self.blocks[b].ref_cnt -= 1
+
+
+class KVCacheManagerStandIn(_Missing):
+    """vLLM's ``KVCacheManager`` as ``bind_kv_cache_manager`` hands it over: its
+    ``block_pool`` (see ``BlockPoolStandIn``)."""
+
+    _what = "KVCacheManager"
+
+    def __init__(self, references: BlockReferences) -> None:
+        self.block_pool = BlockPoolStandIn(references)
 
 
 class _Layer:

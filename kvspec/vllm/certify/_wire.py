@@ -38,7 +38,7 @@ from typing_extensions import Self
 
 from kvspec.protocols import HarnessError, InvalidArgumentError, MalformedMetadataError
 
-__all__ = ["VllmMetadata", "carry_gap", "decode_value", "encode_value"]
+__all__ = ["VllmMetadata", "VllmWorkerMetadata", "carry_gap", "decode_value", "encode_value"]
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -97,7 +97,11 @@ def _hints(cls: type) -> dict[str, Any]:
 def _build(value: Any, typ: Any, where: str) -> Any:
     """Plain decoded data as ``typ``, checked all the way down (no coercion, no code run)."""
     if typ is Any or typ is object:
+        if isinstance(value, dict) and isinstance(value.get(_TAG), str):
+            return _build_object(value, object, where)
         return value
+    if isinstance(typ, typing.NewType):  # vLLM's BlockHash = NewType("BlockHash", bytes)
+        return _build(value, typ.__supertype__, where)
     if typ is type(None) or typ is None:
         if value is not None:
             raise ValueError(f"{where}: expected None, got {type(value).__name__}")
@@ -136,21 +140,6 @@ def _build(value: Any, typ: Any, where: str) -> Any:
         kt, vt = args or (Any, Any)
         return {_build(k, kt, f"{where} key"): _build(v, vt, f"{where}[{k!r}]")
                 for k, v in value.items()}
-    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a {typ.__qualname__} map, got "
-                             f"{type(value).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(typ)}
-        if set(value) != set(fields):
-            raise ValueError(f"{where}: {typ.__qualname__} fields {sorted(value)}; expected "
-                             f"{sorted(fields)}")
-        hints = _hints(typ)
-        built = {k: _build(v, hints[k], f"{where}.{k}") for k, v in value.items()}
-        obj = typ(**{k: v for k, v in built.items() if fields[k].init})
-        for k, v in built.items():
-            if not fields[k].init:
-                object.__setattr__(obj, k, v)
-        return obj
     if isinstance(typ, type) and issubclass(typ, enum.Enum):
         try:
             return typ(value)
@@ -160,16 +149,82 @@ def _build(value: Any, typ: Any, where: str) -> Any:
         if value not in args:
             raise ValueError(f"{where}: {value!r} is not one of {args}")
         return value
+    if isinstance(typ, type):
+        return _build_object(value, typ, where)
     raise ValueError(f"{where}: the wrapper cannot decode a {typ!r}")
+
+
+def _build_object(value: Any, typ: type, where: str) -> Any:
+    """A map ``_plain`` tagged with its class, as an instance of that class, which must be
+    loaded already and be ``typ`` or a subclass of it; its fields are built against the
+    class's own field types, and no ``__init__`` runs."""
+    if not isinstance(value, dict) or not isinstance(value.get(_TAG), str):
+        raise ValueError(f"{where}: expected a {typ.__qualname__} object, got "
+                         f"{type(value).__name__}")
+    try:
+        cls = loaded_class(value[_TAG], typ)
+        fields = _fields(cls)
+    except (MalformedMetadataError, InvalidArgumentError) as e:
+        raise ValueError(f"{where}: {e.message}") from None
+    body = {k: v for k, v in value.items() if k != _TAG}
+    if set(body) != set(fields):
+        raise ValueError(f"{where}: {cls.__qualname__} fields {sorted(body)}; expected "
+                         f"{sorted(fields)}")
+    obj = cls.__new__(cls)
+    for k, t in fields.items():
+        object.__setattr__(obj, k, _build(body[k], t, f"{where}.{k}"))
+    return obj
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
+_TAG = "@class"  # not an identifier: no field can be named so
+
+
+def _fields(cls: type, value: object | None = None) -> dict[str, Any]:
+    """``{field: type}`` of a dataclass or of a plain class (``_init_annotations``); with
+    ``value``, checked to be exactly the attributes it holds.
+
+    Raises:
+        InvalidArgumentError: the class has no field types kvspec can read."""
+    if dataclasses.is_dataclass(cls):
+        hints = _hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    fields = _init_annotations(cls)
+    if fields is None or (value is not None and set(fields) != set(vars(value))):
+        raise InvalidArgumentError(
+            f"{cls.__qualname__} cannot be encoded without pickle: it is neither a dataclass, "
+            "nor a class whose __init__ gives every attribute it sets a type (an annotation, "
+            "or an annotated parameter it stores)", clause="ERR-006")
+    return fields
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as MessagePack-ready data: every object a map tagged with its class (so a
+    field declared as a base class, like MultiConnector's tuple of its connectors'
+    metadata, decodes into the subclass it held), containers as arrays or maps."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        raise TypeError(f"a {cls.__qualname__} is neither plain data nor a tensor")
+    out = {_TAG: f"{cls.__module__}:{cls.__qualname__}"}
+    out.update({k: _plain(getattr(value, k)) for k in _fields(cls, value)})
+    return out
+
+
 def encode_value(value: object) -> bytes:
-    """Encode ``value`` (dataclasses, sets, dicts, tensors ...) as MessagePack."""
+    """Encode ``value`` (dataclasses, plain classes with typed fields, sets, dicts,
+    tensors ...) as MessagePack."""
     try:
-        return _ENCODER.encode(value)
+        return _ENCODER.encode(_plain(value))
     except (TypeError, InvalidArgumentError) as e:
         raise InvalidArgumentError(
             f"{type(value).__qualname__} cannot be encoded without pickle: {e}; the wrapper "
@@ -213,59 +268,45 @@ def loaded_class(path: str, base: type) -> type:
 
 @functools.cache
 def _init_annotations(cls: type) -> dict[str, Any] | None:
-    """``{attribute: type}`` from ``self.x: T = ...`` in a plain class's ``__init__``, or
-    None when the class has other attributes, needs arguments or its source is unreadable."""
+    """``{attribute: type}`` of a plain class, from its ``__init__``: ``self.x: T = ...``,
+    and ``self.x = p`` for a parameter ``p: T``; None when an attribute ``__init__`` sets
+    has no type that way or its source is unreadable."""
     init = cls.__dict__.get("__init__")
-    if init is None or len(inspect.signature(init).parameters) != 1:
+    if init is None or "__slots__" in cls.__dict__:
         return None
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
-    except (OSError, TypeError, SyntaxError):
+        params = typing.get_type_hints(init)
+    except Exception:  # unreadable source, or annotations that do not resolve
         return None
     scope = vars(sys.modules[cls.__module__])
     out: dict[str, Any] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) \
-                and isinstance(node.target.value, ast.Name) and node.target.value.id == "self":
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                and target.value.id == "self"):
+            continue
+        if isinstance(node, ast.AnnAssign):
             try:
-                out[node.target.attr] = eval(  # noqa: S307 - the class's own source text
+                out[target.attr] = eval(  # noqa: S307 - the class's own source text
                     compile(ast.Expression(node.annotation), "<annotation>", "eval"), scope)
             except Exception:
                 return None
-    return out if set(out) == set(vars(cls())) else None
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) \
+                and node.value.id in params and target.attr not in out:
+            out[target.attr] = params[node.value.id]
+        elif target.attr not in out:
+            return None
+    return out
 
 
 def _metadata_payload(value: object) -> bytes:
-    cls = type(value)
-    if dataclasses.is_dataclass(cls):
-        return encode_value(value)
-    fields = _init_annotations(cls)  # type: ignore[arg-type]  # classes are hashable
-    if fields is None:
-        raise InvalidArgumentError(
-            f"{cls.__qualname__} cannot be encoded without pickle: it is neither a dataclass, "
-            "nor a class whose no-argument __init__ annotates every "
-            "attribute it sets", clause="ERR-006")
-    return encode_value({k: getattr(value, k) for k in fields})
+    return encode_value(value)
 
 
 def _metadata_value(cls: type, body: bytes) -> object:
-    if dataclasses.is_dataclass(cls):
-        return decode_value(body, cls)
-    fields = _init_annotations(cls)
-    if fields is None:
-        raise MalformedMetadataError(f"{cls.__qualname__} has no decodable form",
-                                     clause="ERR-005")
-    raw = decode_value(body, dict[str, Any])
-    if set(raw) != set(fields):
-        raise MalformedMetadataError(f"{cls.__qualname__} fields {sorted(raw)}; expected "
-                                     f"{sorted(fields)}", clause="ERR-005")
-    value = cls()
-    for name, typ in fields.items():
-        try:
-            setattr(value, name, _build(raw[name], typ, name))
-        except (ValueError, TypeError, RecursionError) as e:
-            raise MalformedMetadataError(f"{cls.__qualname__}: {e}", clause="ERR-005") from None
-    return value
+    return decode_value(body, cls)
 
 
 def carry_gap(error: InvalidArgumentError) -> HarnessError:
@@ -283,17 +324,25 @@ class VllmMetadata:
     """
 
     __slots__ = ("value",)
+    _KIND = "vllm-metadata"
 
     def __init__(self, value: object) -> None:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, VllmMetadata) and self.encode() == other.encode()
+        return type(other) is type(self) and self.encode() == other.encode()
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"VllmMetadata({self.value!r})"
+        return f"{type(self).__name__}({self.value!r})"
+
+    @staticmethod
+    def _base() -> type:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+        base: type = KVConnectorMetadata
+        return base
 
     def encode(self) -> bytes:
         """The class path and the fields, in MessagePack.
@@ -313,7 +362,7 @@ class VllmMetadata:
         except MalformedMetadataError as e:
             raise HarnessError(f"kvspec's codec encoded a {cls.__qualname__} it cannot decode "
                                f"({e.message}); vLLM pickles it") from e
-        return _ENCODER.encode(_Envelope("vllm-metadata", f"{cls.__module__}:{cls.__qualname__}",
+        return _ENCODER.encode(_Envelope(self._KIND, f"{cls.__module__}:{cls.__qualname__}",
                                          msgspec.Raw(payload)))
 
     @classmethod
@@ -323,14 +372,39 @@ class VllmMetadata:
         Raises:
             MalformedMetadataError: anything ``encode`` did not write (ERR-005).
         """
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MalformedMetadataError(f"vLLM metadata must be bytes, got {type(data).__name__}",
                                          clause="ERR-005")
         env = decode_value(bytes(data), _Envelope)
-        if env.kind != "vllm-metadata":
-            raise MalformedMetadataError(f"kind is {env.kind!r}; expected 'vllm-metadata'",
+        if env.kind != cls._KIND:
+            raise MalformedMetadataError(f"kind is {env.kind!r}; expected {cls._KIND!r}",
                                          clause="ERR-005")
-        typ = loaded_class(env.cls, KVConnectorMetadata)
+        typ = loaded_class(env.cls, cls._base())
         return cls(_metadata_value(typ, bytes(env.body)))
+
+
+class VllmWorkerMetadata(VllmMetadata):
+    """A vLLM worker's ``build_connector_worker_meta()`` as kvspec ``worker_metadata``
+    (EVT-007), crossing from worker processes with the same codec as step metadata and
+    reduced with the connector's own ``aggregate``, in rank order, as vLLM's executor does.
+
+    Attributes:
+        value: The vLLM ``KVConnectorWorkerMetadata`` a worker role built.
+    """
+
+    __slots__ = ()
+    _KIND = "vllm-worker-metadata"
+
+    @staticmethod
+    def _base() -> type:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+        base: type = KVConnectorWorkerMetadata
+        return base
+
+    def aggregate(self, other: VllmWorkerMetadata) -> VllmWorkerMetadata:
+        """The connector's own reduction of this rank's value and ``other``'s, on a copy:
+        vLLM's executor lets ``aggregate`` change its accumulator in place, which kvspec's
+        aggregator (EXE-006) must not see as the connector's fault."""
+        mine = type(self).decode(self.encode()).value
+        return VllmWorkerMetadata(mine.aggregate(other.value))  # type: ignore[attr-defined]

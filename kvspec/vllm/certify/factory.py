@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import gc
+import importlib
 import os
 import random
 import socket
@@ -44,6 +45,7 @@ import torch
 from kvspec.protocols import (
     SPEC_VERSION,
     AllocatedBlocks,
+    BlockReferences,
     Capabilities,
     ConnectorMetadata,
     EngineConfigView,
@@ -66,7 +68,8 @@ from kvspec.protocols import (
 
 from . import _objects
 from ._profiles import Profile, profile_for
-from ._wire import VllmMetadata, carry_gap, decode_value, encode_value, loaded_class
+from ._wire import (VllmMetadata, VllmWorkerMetadata, carry_gap, decode_value, encode_value,
+                    loaded_class)
 
 __all__ = ["VllmConnectorFactory"]
 
@@ -138,6 +141,13 @@ class VllmConnectorFactory:
                 vconf = self._vllm_config(config, None, cache_layout=None)
                 names = tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers))
                 self._platform = _objects.platform_kv(vconf, _model_shape(config, None), names)
+            # A vLLM worker process runs the platform's worker module first; vLLM-CPU's
+            # (cpu_worker) stands in for CUDA events, streams and pinned memory there, and
+            # connectors rely on it: every process of the wrapper imports it alike.
+            worker_cls = getattr(vconf.parallel_config, "worker_cls", "auto")
+            if isinstance(worker_cls, str) and "." in worker_cls:
+                with _ours(f"importing the platform's worker module ({worker_cls})"):
+                    importlib.import_module(worker_cls.rpartition(".")[0])
         return self._platform
 
     @property
@@ -423,6 +433,19 @@ class _VllmScheduler(SchedulerConnector):
     def take_events(self) -> Iterable[KVCacheEvent]:
         return ()
 
+    def bind_block_references(self, references: BlockReferences) -> None:
+        # vLLM's scheduler binds its cache manager (and so its block pool) right after
+        # building it, before the first step: KVConnectorBase_V1.bind_kv_cache_manager
+        with _ours("building vLLM's KVCacheManager and BlockPool stand-ins"):
+            manager = _objects.KVCacheManagerStandIn(references)
+        bind = getattr(self._conn, "bind_kv_cache_manager", None)
+        if bind is not None:
+            bind(manager)
+
+    def has_pending_work(self) -> bool:
+        ask = getattr(self._conn, "has_pending_push_work", None)  # vLLM >= 0.32
+        return False if ask is None else bool(ask())
+
     def get_finished_count(self) -> int | None:
         count = self._conn.get_finished_count()
         return None if count is None else int(count)
@@ -571,6 +594,12 @@ class _VllmWorker(WorkerConnector):
 
     def get_finished_count_override(self) -> int | None:
         return None
+
+    def build_connector_worker_meta(self) -> VllmWorkerMetadata | None:
+        build = getattr(self._vllm("build_connector_worker_meta"), "build_connector_worker_meta",
+                        None)
+        value = None if build is None else build()
+        return None if value is None else VllmWorkerMetadata(value)
 
     def get_handshake_metadata(self) -> HandshakeMetadata | None:
         value = self._vllm("get_handshake_metadata").get_handshake_metadata()

@@ -92,6 +92,18 @@ SETUPS: Mapping[str, Setup] = {
                 "--eviction-policy LRU --chunk-size 32",
         service_wait="localhost:5555"),
     "DecodeBenchConnector": Setup(extra={"fill_mean": 0.015, "fill_std": 0.0}),
+    # Mooncake's store over TCP: its master with the HTTP metadata server beside it; the
+    # client reads its addresses from the file $MOONCAKE_CONFIG_PATH names.
+    "MooncakeStoreConnector": Setup(
+        env={"MOONCAKE_CONFIG_PATH": "{tmp}/mooncake.json"},
+        files={"mooncake.json": json.dumps({
+            "metadata_server": "http://127.0.0.1:8091/metadata",
+            "master_server_address": "127.0.0.1:50051", "protocol": "tcp",
+            "device_name": "", "global_segment_size": "128MB",
+            "local_buffer_size": "128MB"})},
+        service="{bin}/mooncake_master --rpc_port 50051 --enable_http_metadata_server=true "
+                "--http_metadata_server_host 127.0.0.1 --http_metadata_server_port 8091",
+        service_wait="127.0.0.1:50051"),
 }
 """Connectors that need configuration or a service to run at all."""
 
