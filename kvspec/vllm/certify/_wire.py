@@ -170,7 +170,7 @@ def _build_object(value: Any, typ: type, where: str) -> Any:
     if set(body) != set(fields):
         raise ValueError(f"{where}: {cls.__qualname__} fields {sorted(body)}; expected "
                          f"{sorted(fields)}")
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     for k, t in fields.items():
         object.__setattr__(obj, k, _build(body[k], t, f"{where}.{k}"))
     return obj
