@@ -520,8 +520,8 @@ def _parser() -> argparse.ArgumentParser:
     vb.add_argument("--hit-repeats", type=_positive_int, default=3, metavar="N",
                     help="offload hits per prompt and round, each from a cold start "
                          "(default 3)")
-    vb.add_argument("--only", choices=("pd", "offload"),
-                    help="run one comparison only")
+    vb.add_argument("--only", choices=("pd", "offload", "long"),
+                    help="run one comparison only ('long': the long-prompt offload series)")
     vb.add_argument("--aa", action="store_true",
                     help="A/A check: kvspec's connector in both arms (ratios near 1.0)")
     vb.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -805,7 +805,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     if args.svg and (_unwritable("--svg", args.svg) or _no_matplotlib()):
         return 2
     options = VllmBenchOptions(rounds=args.rounds, aa=args.aa, hit_repeats=args.hit_repeats,
-                               sections=(args.only,) if args.only else ("pd", "offload"))
+                               sections=(args.only,) if args.only else ("pd", "offload",
+                                                                         "long"))
     try:
         result = run_vllm_bench(options)
     except EngineError as e:
@@ -814,16 +815,31 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     if args.svg:
         from .bench._chart import bar_chart
 
-        names = {"pd_ttft": "P/D hand-off", "offload_ttft": "offload hit"}
-        series = [(names[name], list(values.values()))
-                  for name, values in result.ratios().items() if name in names]
-        parts = ([f"P/D {n}" for n in options.pd_lengths] if result.pd else [],
-                 [f"offload {n}" for n in options.offload_lengths] if result.offload else [])
-        labels = [" / ".join(x for x in pair if x) for pair in
-                  zip(*(p for p in parts if p))] if all(parts) else parts[0] or parts[1]
-        _write(args.svg, bar_chart(
-            "kvspec bench vllm: kvspec / vLLM time to first token (prompt tokens)",
-            labels, series, targets=[("1.0", 1.0)]))
+        if result.pd or result.offload:
+            names = {"pd_ttft": "P/D hand-off", "offload_ttft": "offload hit"}
+            series = [(names[name], list(values.values()))
+                      for name, values in result.ratios().items() if name in names]
+            parts = ([f"P/D {n}" for n in options.pd_lengths] if result.pd else [],
+                     [f"offload {n}" for n in options.offload_lengths] if result.offload
+                     else [])
+            labels = [" / ".join(x for x in pair if x) for pair in
+                      zip(*(p for p in parts if p))] if all(parts) else parts[0] or parts[1]
+            _write(args.svg, bar_chart(
+                "kvspec bench vllm: kvspec / vLLM time to first token (prompt tokens)",
+                labels, series, targets=[("1.0", 1.0)]))
+        if result.long is not None:
+            long_ratios = result.long.ratios()
+            path = args.svg if not (result.pd or result.offload) else \
+                args.svg.removesuffix(".svg") + "-long.svg"
+            _write(path, bar_chart(
+                "kvspec bench vllm, long prompts: kvspec offload ratios (prompt tokens)",
+                [str(n) for n in result.long.options.lengths],
+                [("over the floor / ExampleConnector's", list(
+                    long_ratios["over_floor_vs_example"].values())),
+                 ("TTFT / recompute's", list(long_ratios["ttft_vs_recompute"].values())),
+                 ("load / memcpy bandwidth", [long_ratios["bandwidth_vs_memcpy"].get(n, 0.0)
+                                              for n in result.long.options.lengths])],
+                targets=[("0.3", 0.3), ("0.5", 0.5), ("0.7", 0.7)]))
     _emit(result, args.json)
     return 0
 

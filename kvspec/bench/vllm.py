@@ -41,11 +41,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ._table import markdown_table
+
+if TYPE_CHECKING:
+    from .vllm_long import LongResult
 
 __all__ = ["Arm", "VllmBenchOptions", "VllmBenchResult", "run_vllm_bench"]
 
@@ -71,14 +74,15 @@ class VllmBenchOptions:
         hit_repeats: Times each offload arm runs pass 2 (and the no-work prompt) per
             round; medians are over ``rounds * hit_repeats`` requests. Each request starts
             from a full garbage collection, so a repeat is a cold hit like the first.
-        sections: ``"pd"``, ``"offload"`` or both.
+        sections: Any of ``"pd"``, ``"offload"`` and ``"long"`` (the long-prompt offload
+            series, ``kvspec.bench.vllm_long``, run with ``rounds // 2`` rounds, at least 2).
     """
 
     rounds: int = 7
     pd_lengths: tuple[int, ...] = (65, 129, 257)
     offload_lengths: tuple[int, ...] = (80, 144, 272)
     aa: bool = False
-    sections: tuple[str, ...] = ("pd", "offload")
+    sections: tuple[str, ...] = ("pd", "offload", "long")
     hit_repeats: int = 3
 
 
@@ -116,6 +120,7 @@ class VllmBenchResult:
     offload: tuple[Arm, Arm] | None
     startup_s: dict[str, float]
     offload_engine: Arm | None = None
+    long: LongResult | None = None
 
     def net_ms(self, arm: Arm) -> dict[int, float]:
         """``arm``'s connector part minus the engine-only reference's part, per length."""
@@ -131,7 +136,8 @@ class VllmBenchResult:
                 "offload": arms(self.offload),
                 "offload_engine": None if self.offload_engine is None
                 else attrs.asdict(self.offload_engine),
-                "startup_s": self.startup_s, "ratios": self.ratios()}
+                "startup_s": self.startup_s, "ratios": self.ratios(),
+                "long": None if self.long is None else self.long.as_dict()}
 
     def ratios(self) -> dict[str, dict[int, float]]:
         """kvspec / vLLM per length: hand-off time to first token, the offload hit's total
@@ -209,6 +215,8 @@ class VllmBenchResult:
                     for n, t in a.own_hook_us.items()))
             out.append(f"  in-hook connector part, {pair_name}: " + ", ".join(
                 f"{n}: {x:.1f}x" for n, x in ratios["offload_hook_x_smaller"].items()))
+        if self.long is not None:
+            out += self.long.lines()
         return out
 
 
@@ -321,7 +329,14 @@ def run_vllm_bench(options: VllmBenchOptions,
                 offload = (arms[0], arms[1])
     finally:
         fleet.close()
-    return VllmBenchResult(options, pd, offload, fleet.startup, engine_only)
+    long = None
+    if "long" in options.sections:
+        from .vllm_long import LongOptions, run_long_bench
+
+        long = run_long_bench(LongOptions(rounds=max(2, options.rounds // 2),
+                                          hit_repeats=min(options.hit_repeats, 2),
+                                          aa=options.aa), say)
+    return VllmBenchResult(options, pd, offload, fleet.startup, engine_only, long)
 
 
 def _baseline(fleet: _Fleet, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

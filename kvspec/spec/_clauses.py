@@ -145,6 +145,10 @@ CLAUSES: tuple[Clause, ...] = (
            "A connector that takes block references (bind_block_references) MUST take them only on blocks a request of the engine holds at the time, MUST drop each one exactly once, and MUST hold none once has_pending_work returns False. The engine MUST NOT reallocate, evict or overwrite a referenced block.",
            "A store job that copies blocks after their request finished needs their bytes kept; a reference never dropped leaks the block for the engine's lifetime, and one taken on a free block pins another request's bytes. vLLM 0.32 lends its GPU block pool for this (bind_gpu_block_pool; MooncakeStoreConnector's pinned saves).",
            (V032_KEEP,)),
+    Clause("SCH-031", SHOULD, "Reuse does not wait for a step",
+           "A connector that stores a finished request's blocks SHOULD match them for a later request whether or not the engine stepped after the first request ended, and MUST NOT make a request load bytes whose store has not completed: a block whose store is still in flight is matched only as an asynchronous load that the workers run after that store, and fails (invalid block, recomputed) if the store failed.",
+           "An engine need not step between requests: vLLM's in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs no step between two generate calls, so stores reported only in a later step's output are unknown when the next call is matched, and the reuse users expect is lost.",
+           (V032_RUN,)),
     # ------------------------------------------------------------------ WRK
     Clause("WRK-001", MUST, "KV caches are registered once",
            "The engine MUST call register_kv_caches exactly once per worker, after the KV caches are allocated and before the first forward that can move KV, passing every layer's tensor and the layout descriptor.",

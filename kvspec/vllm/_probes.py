@@ -7,7 +7,8 @@ import gc
 import time
 from typing import Any
 
-__all__ = ["collect", "hook_time", "matched_tokens", "record_hook_time", "record_matches"]
+__all__ = ["collect", "copy_stats", "hook_time", "matched_tokens", "memcpy_gbps",
+           "record_copy_stats", "record_hook_time", "record_matches"]
 
 # The per-step hooks vLLM calls on a connector (scheduler side, then worker side) whose time
 # ``record_hook_time`` adds up; the names any V1 connector has, whoever wrote it.
@@ -122,3 +123,66 @@ def collect(llm: Any) -> int:
     collector state in every arm (a collection that would fall inside one request of one
     arm measures the collector, not the connector); returns what it freed."""
     return gc.collect()
+
+
+def _kvspec_workers() -> list[Any]:
+    from kvspec.vllm.connector import KVSpecConnector
+
+    return [w for c in KVSpecConnector.live() if (w := c.kvspec_worker) is not None]
+
+
+def record_copy_stats(llm: Any) -> bool:
+    """Keep a running total of the counters a kvspec worker adds up (the offload backend's
+    ``bytes_loaded``, ``load_copy_us`` ...), which vLLM otherwise consumes every step;
+    False when this engine runs no kvspec worker that counts."""
+    found = False
+    for worker in _kvspec_workers():
+        count = getattr(worker, "_count", None)
+        if count is None or hasattr(worker, "_kvspec_totals"):
+            found = found or hasattr(worker, "_kvspec_totals")
+            continue
+        totals: dict[str, int] = {}
+
+        def counted(_count: Any = count, _totals: dict[str, int] = totals,
+                    **counts: int) -> None:
+            for name, n in counts.items():
+                _totals[name] = _totals.get(name, 0) + n
+            _count(**counts)
+
+        worker._kvspec_totals = totals
+        worker._count = counted
+        found = True
+    return found
+
+
+def copy_stats(llm: Any, clear: bool = True) -> dict[str, int]:
+    """The counters ``record_copy_stats`` totalled since the last call (cleared unless
+    ``clear`` is False)."""
+    out: dict[str, int] = {}
+    for worker in _kvspec_workers():
+        totals = getattr(worker, "_kvspec_totals", None)
+        if totals is None:
+            continue
+        for name, n in totals.items():
+            out[name] = out.get(name, 0) + n
+        if clear:
+            totals.clear()
+    return out
+
+
+def memcpy_gbps(llm: Any, nbytes: int, repeats: int = 7) -> float:
+    """The median GB/s of one contiguous host copy of ``nbytes`` in this process (the
+    ceiling a load of that many bytes is compared with), after one untimed copy."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return nbytes / times[len(times) // 2] / 1e9

@@ -4,8 +4,9 @@ Run as ``python -m kvspec.vllm._serve``; the first line is the engine spec, each
 command; each answer is one stdout line starting with ``KVSPEC-RESULT`` followed by JSON
 (vLLM's own logs go to the same streams and are ignored by the client). The engine is a tiny
 Llama with dummy weights written to a temporary directory, vLLM's prefix cache off by
-default, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is why each engine
-needs a process of its own. Commands:
+default, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or vLLM's engine-core
+child process with ``"engine_core_process": true``), which is why each engine needs a
+process of its own. Commands:
 
 * ``{"op": "generate", "prompts": [[ids...]], "max_tokens": n, "kv_transfer_params":
   [... or null], "batch": false}`` (``batch``: submit all prompts at once instead of one
@@ -47,7 +48,9 @@ def _answer(obj: Any) -> None:
 
 def _engine(spec: dict[str, Any]) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # In this process by default; ``"engine_core_process": true`` runs vLLM's default
+    # layout, the engine core in a child process (the probes then reach only this one).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("engine_core_process") else "0"
     config = {**TINY_LLAMA, **spec.get("model", {})}
     text = json.dumps(config, sort_keys=True)
     # One directory per model config: engines that must agree on the model (a prefill and a

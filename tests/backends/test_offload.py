@@ -358,12 +358,14 @@ def test_running_requests_prompt_blocks_are_stored_while_they_run() -> None:
         assert isinstance(second, OffloadMetadata)
         assert [(j.request_id, j.block_ids) for j in second.stores] == [("a", (5, 6))]
         _run(worker, second)
-        # Running: the completed store is not reported (WRK-010) nor matched.
+        # Running: the completed store is not reported (WRK-010), yet its blocks match
+        # as an asynchronous load the workers order after the store (SCH-031).
         time.sleep(0.05)
         assert worker.get_finished(frozenset()) == (frozenset(), frozenset())
         b = _request("b", list(range(13)))
         sched.on_new_request(b)
-        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(b, 0) == (8, True)
+        assert sched.get_num_new_matched_tokens(b, 0) == (8, True)  # no side effect
         # Step 3: block 2 (computed by step 2) is stored too.
         third = sched.build_connector_meta(_scheduled(3, cached=(CachedRequestView(
             "a", num_computed_tokens=13),)))
@@ -417,8 +419,9 @@ def test_store_when_finished_stores_nothing_while_running() -> None:
 
 def test_stores_in_flight_are_tracked_per_block() -> None:
     """A store reported finished makes only its blocks stored; the blocks of another store
-    still in flight are neither matched nor planned again, and blocks repeated in a request
-    or already stored are left out of a new store."""
+    still in flight match only as a load of that store (its slots and tag, SCH-031) and are
+    not planned again, and blocks repeated in a request or already stored are left out of
+    a new store."""
     sched = OffloadScheduler(_config(offload_store="finished"))
     a, b = _request("a", list(range(9)), computed=9), _request("b", list(range(50, 59)), computed=9)
     for r in (a, b):
@@ -428,8 +431,9 @@ def test_stores_in_flight_are_tracked_per_block() -> None:
     _finish_store(sched, "a")
     c = _request("c", list(range(50, 59)), computed=9)
     sched.on_new_request(c)
-    assert sched.get_num_new_matched_tokens(c, 0) == (0, False)  # b's blocks: in flight
+    assert sched.get_num_new_matched_tokens(c, 0) == (8, True)  # b's blocks: in flight
     assert sched.request_finished(c, (5, 6)) == (False, None)
+    assert sched.stats()["pending_hit_blocks"] == 0  # matching plans nothing
     _finish_store(sched, "b")
     x = hashlib.sha256(b"x").digest()
     d = RequestView("d", tuple(range(17)), block_hashes=(*a.block_hashes, x, x),

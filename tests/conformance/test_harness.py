@@ -264,8 +264,10 @@ def test_dead_worker_process_fails_fast_without_hanging() -> None:
 def test_per_layer_hooks_run_in_spec_order() -> None:
     """With eager per-layer hooks the engine calls, per forward: bind, start_load_kv, then
     per layer wait_for_layer_load before and save_kv_layer after the layer's write, then
-    wait_for_save, clear, output (WRK-003, WRK-004, WRK-005, WRK-006, WRK-007, WRK-008);
-    on odd steps it takes the order vLLM 0.32 follows; zero-token steps skip the layers."""
+    wait_for_save, output, clear (WRK-003, WRK-004, WRK-005, WRK-006, WRK-007, WRK-008:
+    the output is collected with the metadata bound, as vLLM 0.32 does); on odd steps
+    start_load_kv comes after the forward, as vLLM 0.32 does without synchronous loads;
+    zero-token steps skip the layers."""
     from kvspec.conformance.connectors.null import NullWorker
     from kvspec.protocols import Capabilities, HookGraphMode
 
@@ -309,15 +311,14 @@ def test_per_layer_hooks_run_in_spec_order() -> None:
         e.add_request(RequestSpec("a", (1, 2, 3), max_new_tokens=2))
         e.step()
         assert calls == ["bind", "start 3", "wait 0", "save 0", "wait 1", "save 1",
-                         "wait_for_save", "clear", "output"]
+                         "wait_for_save", "output", "clear"]
         calls.clear()
-        e.step()  # odd steps take vLLM's order: no sync load, so start after the forward,
-        # and the output before the clear (WRK-004, WRK-008 allow both)
+        e.step()  # odd steps: no sync load, so start after the forward (WRK-004 allows both)
         assert calls == ["bind", "wait 0", "save 0", "wait 1", "save 1", "start 1",
                          "wait_for_save", "output", "clear"]
         calls.clear()
         e.step()  # nothing scheduled: no layer runs, the output hooks still do (WRK-008)
-        assert calls == ["bind", "start 0", "wait_for_save", "clear", "output"]
+        assert calls == ["bind", "start 0", "wait_for_save", "output", "clear"]
 
 
 def test_engine_uses_the_connectors_own_aggregator(tmp_path: os.PathLike[str]) -> None:

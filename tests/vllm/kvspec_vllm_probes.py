@@ -112,3 +112,14 @@ def tracked_requests(llm: Any) -> int:
 
     return sum(c.tracked_requests for c in KVSpecConnector.live()
                if c.kvspec_scheduler is not None)
+
+
+def offload_scheduler_stats(llm: Any) -> dict[str, int]:
+    """The offload backend's scheduler counters (in-process engines only)."""
+    from kvspec.vllm.connector import KVSpecConnector
+
+    for conn in KVSpecConnector.live():
+        scheduler = conn.kvspec_scheduler
+        if scheduler is not None and hasattr(scheduler, "stats"):
+            return dict(scheduler.stats())
+    raise RuntimeError("no offload scheduler role in this process")

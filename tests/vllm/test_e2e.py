@@ -6,12 +6,15 @@ with vLLM's own prefix cache off, so every cached token came from the connector.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import BLOCK, MAX_TOKENS, PROMPTS, engine
 
 from kvspec.backends.nixl import PARAMS_KIND
+from kvspec.protocols import FAULTS_KEY, FaultPlan
 
 PROBES = "kvspec_vllm_probes"
 OFFLOAD = "kvspec.backends.offload:OffloadConnector"
@@ -51,6 +54,49 @@ def test_offload_stores_then_loads_identical_tokens_and_the_loaded_bytes_are_use
     assert [r["num_cached_tokens"] for r in third] == [_full_blocks(p) for p in PROMPTS]
     assert [r["tokens"] for r in third] != baseline
     assert all(r["tokens"] != b for r, b in zip(third, baseline))
+
+
+@pytest.mark.parametrize("engine_core_process", [False, True],
+                         ids=["in-process", "engine-core-process"])
+def test_offload_serves_the_next_call_after_an_idle_gap(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any],
+        engine_core_process: bool) -> None:
+    """SCH-031 (issue 32): ``generate(P)``, half a second idle, ``generate(P)``: the second
+    call takes every reusable block from the host pool, with the baseline's tokens, both
+    when the engine runs in this process (it runs no step between the calls, so the first
+    call's stores are still unreported when the second is matched) and in vLLM's default
+    engine-core process."""
+    e = engine({"factory": OFFLOAD, "extra": {"offload_slots": 64},
+                "engine_core_process": engine_core_process}, vllm_logs,
+               f"offload-gap-{'process' if engine_core_process else 'inproc'}")
+    engines.append(e)
+    prompt = PROMPTS[2]
+    first = e.generate([prompt], max_tokens=MAX_TOKENS)[0]
+    time.sleep(0.5)
+    second = e.generate([prompt], max_tokens=MAX_TOKENS)[0]
+    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, _full_blocks(prompt))
+    assert first["tokens"] == second["tokens"] == baseline[2]
+    if not engine_core_process:
+        stats = e.call(f"{PROBES}:offload_scheduler_stats")
+        assert stats["pending_hit_blocks"] > 0 and stats["load_failures"] == 0
+
+
+def test_offload_store_that_fails_between_two_calls_is_recomputed(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """SCH-031 WRK-011: every store fails. The second call is matched on the first call's
+    stores still in flight; its load fails instead of reading what was never stored, and
+    vLLM recomputes: the baseline's tokens."""
+    e = engine({"factory": OFFLOAD, "extra": {
+        "offload_slots": 64, FAULTS_KEY: FaultPlan(fail_stores=True).to_plain()}},
+        vllm_logs, "offload-gap-failed-stores")
+    engines.append(e)
+    prompt = PROMPTS[2]
+    first = e.generate([prompt], max_tokens=MAX_TOKENS)[0]
+    second = e.generate([prompt], max_tokens=MAX_TOKENS)[0]
+    assert first["tokens"] == second["tokens"] == baseline[2]
+    stats = e.call(f"{PROBES}:offload_scheduler_stats")
+    assert stats["pending_hit_blocks"] > 0 and stats["load_failures"] == stats["pending_hit_blocks"]
+    assert stats["resident_blocks"] == 0 and stats["pinned_slots"] == 0
 
 
 def test_sync_load_offload_loads_before_the_forward_reads_the_kv(

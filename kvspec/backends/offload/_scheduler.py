@@ -552,8 +552,14 @@ class OffloadScheduler(SchedulerConnector):
     store or load costs tens of microseconds (``kvspec bench offload`` measures it).
     """
 
-    def __init__(self, config: EngineConfigView) -> None:
+    def __init__(self, config: EngineConfigView, *, serve_pending: bool = True) -> None:
         self._settings = OffloadSettings.from_config(config)
+        # A store in flight is matchable as an asynchronous load the workers run after it
+        # (SCH-031); with synchronous loads (they run before any queued store), or when
+        # the workers gather stores in the forward (``serve_pending=False``), a match that
+        # reaches a store in flight is deferred until the store is reported instead.
+        self._serve_pending = serve_pending and not self._settings.sync_loads
+        self._inflight: dict[bytes, tuple[int, int]] = {}  # storing: key -> (slot, tag)
         self._config = config
         self._block_size = config.block_size
         self._capacity = self._settings.offload_slots
@@ -565,7 +571,6 @@ class OffloadScheduler(SchedulerConnector):
         self._free_sorted = True
         self._pinning: dict[str, tuple[int, ...]] = {}  # in-flight load -> its slots, -1s too
         self._zombies: set[int] = set()  # dropped while pinned: freed when unpinned
-        self._storing: set[bytes] = set()
         self._known: set[str] = set()
         self._asked: dict[str, int] = {}
         self._loading: dict[str, _Record] = {}
@@ -583,11 +588,13 @@ class OffloadScheduler(SchedulerConnector):
     def stats(self) -> dict[str, int]:
         """Scheduler counters since construction: ``lookups``, ``hit_blocks`` (loads
         planned), ``miss_blocks`` (blocks stored because they were not), ``evictions``,
-        ``stores_skipped`` (no unpinned slot), ``load_failures`` (blocks), and gauges
-        ``resident_blocks``, ``pinned_slots``, ``capacity_slots``."""
+        ``stores_skipped`` (no unpinned slot), ``load_failures`` (blocks),
+        ``pending_hit_blocks`` (loads of blocks whose store was in flight, SCH-031),
+        ``store_failures`` (blocks), and gauges ``resident_blocks``, ``pinned_slots``,
+        ``capacity_slots``."""
         out = {k: int(v) for k, v in self._counters.items()}
         for name in ("lookups", "hit_blocks", "miss_blocks", "evictions", "stores_skipped",
-                     "load_failures"):
+                     "load_failures", "pending_hit_blocks", "store_failures"):
             out.setdefault(name, 0)
         out["resident_blocks"] = len(self._index)
         out["pinned_slots"] = len(self._pinned_slots())
@@ -612,8 +619,24 @@ class OffloadScheduler(SchedulerConnector):
         keys = request.block_hashes
         start = num_computed_tokens // bs
         end = min(len(keys), (request.num_prompt_tokens - 1) // bs)
-        stored = takewhile(self._index.__contains__, keys[start:end])  # the stored prefix
+        index = self._index
+        if self._inflight and self._serve_pending:  # stores not reported yet count too
+            inflight = self._inflight
+            stored = takewhile(lambda k: k in index or k in inflight, keys[start:end])
+        else:
+            stored = takewhile(index.__contains__, keys[start:end])  # the stored prefix
         return len(list(stored)) * bs
+
+    def _awaits_store(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
+        """Without loads of stores in flight: True when the block after the match is being
+        stored, so the match is deferred (SCH-002) until that store is reported (SCH-031):
+        the waiting request keeps the engine stepping, and the report comes."""
+        if self._serve_pending or not self._inflight or num_computed_tokens % self._block_size:
+            return False
+        i = (num_computed_tokens + count) // self._block_size
+        keys = request.block_hashes
+        return i < min(len(keys), (request.num_prompt_tokens - 1) // self._block_size) \
+            and keys[i] in self._inflight
 
     def on_new_request(self, request: RequestView) -> None:
         """Remember the request (SCH-028)."""
@@ -632,6 +655,8 @@ class OffloadScheduler(SchedulerConnector):
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
         self._counters["lookups"] += 1
+        if self._awaits_store(request, num_computed_tokens, count):
+            return None, False
         return count, count > 0 and not self._settings.sync_loads
 
     def update_state_after_alloc(
@@ -683,11 +708,10 @@ class OffloadScheduler(SchedulerConnector):
         try:
             slots = _pick(self._index, keys)
             hits = len(slots)
-        except KeyError:  # evicted since the match: slot -1, the workers fail the block
-            slots = tuple(map(self._index.get, keys, repeat(-1)))
+            tags = _pick(self._slot_tag, slots)
+        except KeyError:  # in flight, or evicted since the match (slot -1: the block fails)
+            slots, tags = self._pending_slots(keys)
             hits = len(slots) - slots.count(-1)
-        # Slot -1 reads the last slot's tag: any tag >= 0 will do, workers never compare it.
-        tags = _pick(self._slot_tag, slots)
         self._policy.touch_many(keys)  # absent keys are ignored
         self._counters["hit_blocks"] += hits
         job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None)
@@ -698,6 +722,29 @@ class OffloadScheduler(SchedulerConnector):
             self._sync_loaded.update(zip(job.block_ids, zip(keys, slots)))
         else:
             self._loading[rid] = _Record(job, keys)
+
+    def _pending_slots(self, keys: Sequence[bytes]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Slots and expected tags of ``keys``: stored ones, ones whose store is in flight
+        (the store's slot and tag: a worker loads it after that store, and fails it if the
+        store failed, SCH-031), and -1 for the others (slot -1 reads the last slot's tag:
+        workers never compare it)."""
+        index, inflight, slot_tag = self._index, self._inflight, self._slot_tag
+        slots: list[int] = []
+        tags: list[int] = []
+        for key in keys:
+            slot = index.get(key)
+            if slot is not None:
+                slots.append(slot)
+                tags.append(slot_tag[slot])
+            elif self._serve_pending and key in inflight:
+                slot, tag = inflight[key]
+                slots.append(slot)
+                tags.append(tag)
+                self._counters["pending_hit_blocks"] += 1
+            else:
+                slots.append(-1)
+                tags.append(slot_tag[-1])
+        return tuple(slots), tuple(tags)
 
     # -- placement --------------------------------------------------------------------------
 
@@ -820,12 +867,13 @@ class OffloadScheduler(SchedulerConnector):
         """Plan a store of the request's blocks at positions ``[start, full)`` that are
         neither stored nor being stored; True if one was planned."""
         rid = request.request_id
-        index, storing = self._index, self._storing
+        index, storing = self._index, self._inflight
         keys: Sequence[bytes] = request.block_hashes[start:full]
         positions: Sequence[int] = range(start, full)
         ids: Sequence[int] = block_ids[start:full]
         new = set(keys)
-        if len(new) != len(keys) or not (storing.isdisjoint(new) and index.keys().isdisjoint(new)):
+        if len(new) != len(keys) or not (storing.keys().isdisjoint(new)
+                                         and index.keys().isdisjoint(new)):
             if index.keys() >= new:  # all stored already: a request that hit finishing
                 return False
             # some block repeated, being stored or stored: keep the first of the others
@@ -854,7 +902,7 @@ class OffloadScheduler(SchedulerConnector):
         job = TransferJob._build(rid, tuple(ids[:n]), tuple(slots), (tag,) * n, False,
                                  typed=None)
         self._pending_stores.append(job)
-        storing.update(new if n == len(keys) else keys[:n])
+        storing.update(zip(keys[:n], zip(slots, repeat(tag))))
         record = _Record(job, tuple(keys[:n]), positions[:n], request, run)
         self._saving.setdefault(rid, []).append(record)
         self._counters["miss_blocks"] += n
@@ -966,13 +1014,19 @@ class OffloadScheduler(SchedulerConnector):
         for rid in sorted(output.finished_sending):
             for record in self._saving.pop(rid):
                 job = record.job
-                if len(self._storing) == len(record.keys):  # the only store in flight
-                    self._storing.clear()
+                inflight = self._inflight
+                if len(inflight) == len(record.keys):  # the only store in flight
+                    inflight.clear()
                 else:
-                    self._storing.difference_update(record.keys)
-                if rid in failed_stores:  # never advertised, never matched: slots back
+                    for key in record.keys:
+                        del inflight[key]
+                if rid in failed_stores:  # never advertised: slots back, once unpinned
+                    pinned = self._pinned_slots() if self._pinning else set()
                     for slot in job.slots:
-                        self._release_slot(slot)
+                        if slot in pinned:  # a load of the pending store reads it (and fails)
+                            self._zombies.add(slot)
+                        else:
+                            self._release_slot(slot)
                     self._counters["store_failures"] += len(job)
                     continue
                 tag, slots = job.tags[0], job.slots
@@ -1001,7 +1055,7 @@ class OffloadScheduler(SchedulerConnector):
     def shutdown(self) -> None:
         """Forget every request, pending job and stored block; idempotent (SCH-027)."""
         for state in (
-            self._known, self._asked, self._loading, self._saving, self._storing, self._running,
+            self._known, self._asked, self._loading, self._saving, self._inflight, self._running,
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
             self._index, self._pinning, self._zombies, self._sync_loaded,
         ):

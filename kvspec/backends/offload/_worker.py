@@ -326,8 +326,14 @@ class OffloadWorker(WorkerConnector):
             )
         pool = self.pool
         assert pool is not None
+        jobs: tuple[TransferJob, ...] = (*meta.loads, *meta.stores)  # loads first
+        if meta.loads and meta.stores:  # a load of a store in this step runs after it
+            written = {s for job in meta.stores for s in job.slots}
+            after = tuple(job for job in meta.loads if not written.isdisjoint(job.slots))
+            if after:
+                jobs = (*(job for job in meta.loads if job not in after), *meta.stores, *after)
         plans = []
-        for job in (*meta.loads, *meta.stores):
+        for job in jobs:
             if job.is_load and job.request_id in self._loads:
                 raise InvalidArgumentError(
                     f"request {job.request_id!r} already has a load in flight", clause="SCH-013",
@@ -340,7 +346,7 @@ class OffloadWorker(WorkerConnector):
         timeout = self._settings.io_timeout_s
         wedged = self._wedged()
         sync = self._settings.sync_loads
-        for job, plan in zip((*meta.loads, *meta.stores), plans):  # loads first
+        for job, plan in zip(jobs, plans):
             if sync and job.is_load:  # here, now: never reported
                 self._sync_invalid.update(self._sync_load(pool, job, plan, event))
                 continue
@@ -546,10 +552,12 @@ class OffloadWorker(WorkerConnector):
         Python (up to the 5 ms switch interval, per wait), so a load it would finish in
         microseconds is reported steps later; taking it over reports it in this step. A
         load already running is left to the thread."""
-        future = j.future
+        future, tags = j.future, self._slot_tags
         if (self._stream is not None or self._settings.load_delay_s or self._faults.delay_s
-                or future is None or not future.cancel()):
-            return
+                or future is None
+                or not all(s >= 0 and tags[s] == t for s, t in zip(j.job.slots, j.job.tags))
+                or not future.cancel()):
+            return  # a load of a store still queued ahead of it stays behind it (SCH-031)
         done: concurrent.futures.Future[tuple[int, ...]] = concurrent.futures.Future()
         try:
             done.set_result(self._run(j, None))

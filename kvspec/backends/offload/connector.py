@@ -88,6 +88,12 @@ class LayerwiseOffloadConnector(OffloadConnector):
         """As ``OffloadConnector``, with ``CAPTURABLE`` per-layer hooks."""
         return attrs.evolve(super().capabilities, layer_hooks=HookGraphMode.CAPTURABLE)
 
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """Build the scheduler role; a match that reaches a store in flight waits for its
+        report (SCH-002): the forward gathers a store across steps, so a load of one in
+        flight could find it incomplete and fail (SCH-031)."""
+        return self.scheduler_class(config, serve_pending=False)
+
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
         """Build the worker role of ``rank`` with ``store_path="layerwise"``."""
         return self.worker_class(config, rank, store_path="layerwise")

@@ -151,7 +151,8 @@ class _ImpureMatchScheduler(SharedStorageScheduler):
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         count, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        assert count is not None
+        if count is None:  # deferred (a save in flight): nothing to make impure yet
+            return None, False
         if request.request_id in self._asked_before:
             count = max(0, count - self._block_size)
         self._asked_before.add(request.request_id)

@@ -310,7 +310,8 @@ class LayerwiseStorageScheduler(SharedStorageScheduler):
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Return ``(n, False)``: the shared-storage match, capped so that the step's loads
-        fit ``max_blocks_per_step`` blocks; ``(None, False)`` while a hand-off is awaited.
+        fit ``max_blocks_per_step`` blocks; ``(None, False)`` while a hand-off is awaited or
+        a save the match reaches is in flight (SCH-031).
 
         Like the base, the answer depends only on the request, the count, the markers and
         the loads already planned for this step (SCH-001).

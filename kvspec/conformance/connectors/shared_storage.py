@@ -646,7 +646,8 @@ class SharedStorageScheduler(SchedulerConnector):
         Reads only the markers; the answer depends only on the request, the count, the
         markers and, for a handed-off request, the step's time (SCH-001). A handed-off
         request whose announced blocks are not all stored yet gets ``(None, False)``
-        (SCH-002) until its deferral ends. It remembers ``num_computed_tokens`` as where a
+        (SCH-002) until its deferral ends, and so does a request whose match reaches a
+        block this engine is still saving, until that save is reported (SCH-031). It remembers ``num_computed_tokens`` as where a
         following allocation's external tokens start.
         """
         check_request(request)
@@ -654,9 +655,21 @@ class SharedStorageScheduler(SchedulerConnector):
         count = self._match(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
-        if self._awaits_handoff(request, num_computed_tokens, count):
+        if self._awaits_handoff(request, num_computed_tokens, count) or self._awaits_save(
+                request, num_computed_tokens, count):
             return None, False
         return count, self._is_async(count)
+
+    def _awaits_save(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
+        """True when the block after the match is in a save whose report is awaited (a
+        finished request's, SCH-016): the match waits for that report (SCH-002, SCH-031)
+        instead of missing the block after an idle gap."""
+        if not self._saving or num_computed_tokens % self._block_size:
+            return False
+        keys = self._block_keys(request)
+        i = (num_computed_tokens + count) // self._block_size
+        return i < min(len(keys), self._match_limit(request)) and any(
+            keys[i] in record.keys for record in self._saving.values())
 
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int

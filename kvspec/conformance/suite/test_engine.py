@@ -100,6 +100,38 @@ class TestEngine(ConformanceSuite):
         if not any(offered[False].values()):
             pytest.skip("the connector offered no tokens in either mode: nothing to compare")
 
+    @pytest.mark.kvspec_clause("SCH-031")
+    def test_reuse_after_an_idle_gap(self, tmp_path: Path) -> None:
+        """A request that comes after an idle gap, behind a finished request with the same
+        prompt, loads as many tokens as it does when the engine stepped in between
+        (SCH-031): an engine that steps only while it has requests (vLLM's in-process
+        ``LLM``) runs no step between two calls, so stores still in flight are unreported
+        when the second request is matched. Every loaded byte is checked: a load of a store
+        that had not completed fails the byte checks."""
+        cfg = config_for(self.capabilities, prefix_caching=False)
+        prompt = tuple(range(60, 73))  # three full blocks and one token
+
+        def second_load(gap: bool) -> int:
+            with Engine(self.factory, cfg, tmpdir=str(tmp_path / ("gap" if gap else "steps"))) as e:
+                e.run(Workload([RequestSpec("first", prompt, max_new_tokens=2)],
+                               name="a first request"), leave_pending=gap)
+                result = e.run(Workload([RequestSpec("again", prompt, max_new_tokens=2)],
+                                        name="the same prompt again"))
+            return result.external_tokens.get("again", 0)
+
+        stepped = second_load(gap=False)
+        if not stepped:
+            pytest.skip("the connector loads nothing of a finished request's prompt even when "
+                        "the engine steps in between: nothing to reuse after a gap")
+        after_gap = second_load(gap=True)
+        self.check(after_gap >= stepped, "SCH-031",
+                   observed=f"the second request loaded {after_gap} tokens when it came right "
+                   f"after the first one ended, with no step in between, and {stepped} when "
+                   "the engine stepped until the first one's transfers were reported",
+                   expected="the same reuse whether or not the engine stepped in between "
+                   "(offer stores still in flight as loads ordered after them, or store "
+                   "before reporting the request finished)")
+
     @pytest.mark.kvspec_clause("SCH-009")
     @pytest.mark.kvspec_requires("async_loads")
     def test_second_allocation_starts_no_load(self, tmp_path: Path) -> None:

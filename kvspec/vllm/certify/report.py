@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,13 +48,17 @@ CONNECTORS = (
 class Setup:
     """What ``kvspec conform vllm:NAME`` is given for one connector.
 
+    Every text below may name ``{tmp}`` (the run's scratch directory), ``{bin}`` (the
+    directory of the vLLM environment's executables) and ``{port0}`` .. ``{portN}``
+    (``ports`` free TCP ports, chosen for the run, so that no fixed port can be taken).
+
     Attributes:
         extra: ``--extra KEY=VALUE`` pairs (the connector's ``kv_connector_extra_config``).
-        service: A service command line started before the engines, or None; ``{bin}`` is
-            the directory of the vLLM environment's executables.
+        service: A service command line started before the engines, or None.
         service_wait: ``HOST:PORT`` the service accepts connections on once ready.
-        env: Environment variables of the run; ``{tmp}`` is the run's scratch directory.
+        env: Environment variables of the run.
         files: Files written into the scratch directory first (name: text).
+        ports: How many free ports the run needs.
     """
 
     extra: Mapping[str, Any] = attrs.field(factory=dict)
@@ -61,22 +66,42 @@ class Setup:
     service_wait: str | None = None
     env: Mapping[str, str] = attrs.field(factory=dict)
     files: Mapping[str, str] = attrs.field(factory=dict)
+    ports: int = 0
 
-    def args(self, bin_dir: str = "", tmp: str = "") -> list[str]:
-        """The ``kvspec conform`` options (``{tmp}`` in the extra config is the run's
-        scratch directory)."""
-        out = [f"--extra={k}={json.dumps(v).replace('{tmp}', tmp)}"
-               for k, v in self.extra.items()]
-        if self.service:
-            out += [f"--service={self.service.format(bin=bin_dir)}", "--service-timeout=120"]
-            out += [f"--service-wait={self.service_wait}"] if self.service_wait else []
+    def values(self, bin_dir: str = "", tmp: str = "") -> dict[str, str]:
+        """What the placeholders stand for in one run (fresh ports each call)."""
+        out = {"bin": bin_dir, "tmp": tmp}
+        socks = [socket.socket() for _ in range(self.ports)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", 0))
+                out[f"port{i}"] = str(s.getsockname()[1])
+        finally:
+            for s in socks:
+                s.close()
         return out
 
-    def prepare(self, tmp: str) -> dict[str, str]:
-        """Write ``files`` into ``tmp``; the environment of the run."""
+    @staticmethod
+    def fill(text: str, values: Mapping[str, str]) -> str:
+        """``text`` with each ``{name}`` of ``values`` replaced (other braces kept)."""
+        for name, value in values.items():
+            text = text.replace(f"{{{name}}}", value)
+        return text
+
+    def args(self, values: Mapping[str, str]) -> list[str]:
+        """The ``kvspec conform`` options."""
+        out = [f"--extra={k}={self.fill(json.dumps(v), values)}" for k, v in self.extra.items()]
+        if self.service:
+            out += [f"--service={self.fill(self.service, values)}", "--service-timeout=120"]
+            out += ([f"--service-wait={self.fill(self.service_wait, values)}"]
+                    if self.service_wait else [])
+        return out
+
+    def prepare(self, values: Mapping[str, str]) -> dict[str, str]:
+        """Write ``files`` into the scratch directory; the environment of the run."""
         for name, text in self.files.items():
-            Path(tmp, name).write_text(text)
-        return {**os.environ, **{k: v.format(tmp=tmp) for k, v in self.env.items()}}
+            Path(values["tmp"], name).write_text(self.fill(text, values))
+        return {**os.environ, **{k: self.fill(v, values) for k, v in self.env.items()}}
 
 
 SETUPS: Mapping[str, Setup] = {
@@ -97,13 +122,13 @@ SETUPS: Mapping[str, Setup] = {
     "MooncakeStoreConnector": Setup(
         env={"MOONCAKE_CONFIG_PATH": "{tmp}/mooncake.json"},
         files={"mooncake.json": json.dumps({
-            "metadata_server": "http://127.0.0.1:8091/metadata",
-            "master_server_address": "127.0.0.1:50051", "protocol": "tcp",
+            "metadata_server": "http://127.0.0.1:{port1}/metadata",
+            "master_server_address": "127.0.0.1:{port0}", "protocol": "tcp",
             "device_name": "", "global_segment_size": "128MB",
             "local_buffer_size": "128MB"})},
-        service="{bin}/mooncake_master --rpc_port 50051 --enable_http_metadata_server=true "
-                "--http_metadata_server_host 127.0.0.1 --http_metadata_server_port 8091",
-        service_wait="127.0.0.1:50051"),
+        service="{bin}/mooncake_master --rpc_port {port0} --enable_http_metadata_server=true "
+                "--http_metadata_server_host 127.0.0.1 --http_metadata_server_port {port1}",
+        service_wait="127.0.0.1:{port0}", ports=2),
 }
 """Connectors that need configuration or a service to run at all."""
 
@@ -182,8 +207,8 @@ def run_connector(name: str, *, python: str = sys.executable,
         out = Path(tmp) / "report.json"
         setup = SETUPS.get(name, Setup())
         cmd = [python, "-m", "kvspec", "conform", f"vllm:{name}", "--report", str(out),
-               *setup.args(str(Path(python).parent), tmp)]
-        env = setup.prepare(tmp)
+               *setup.args(values := setup.values(str(Path(python).parent), tmp))]
+        env = setup.prepare(values)
         cmd += ["--", *pytest_args] if pytest_args else []
         start = time.perf_counter()
         try:

@@ -1,0 +1,41 @@
+"""The long-prompt offload series' arithmetic: ratios against the other arms and the
+targets of issue 32, judged over 2048 prompt tokens and more."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec.bench.vllm_long import BLOCK_BYTES, LongArm, LongOptions, LongResult
+
+LENGTHS = (528, 1040, 2064, 4112)
+
+
+def _result(ours_ms: float, gbps: float) -> LongResult:
+    recompute = LongArm("recompute", {n: n / 10 for n in LENGTHS}, 5.0, {}, True)
+    example = LongArm("example", {n: 5.0 + n / 40 for n in LENGTHS}, 5.0,
+                      {n: (n - 16) for n in LENGTHS}, True)
+    ours = LongArm("ours", {n: 5.0 + ours_ms * n / 4096 for n in LENGTHS}, 5.0,
+                   {n: (n - 16) for n in LENGTHS}, True,
+                   bytes_loaded={n: (n - 16) // 32 * BLOCK_BYTES for n in LENGTHS},
+                   load_gbps={n: gbps for n in LENGTHS}, memcpy_gbps={n: 10.0 for n in LENGTHS})
+    return LongResult(LongOptions(lengths=LENGTHS), recompute, example, ours)
+
+
+def test_block_is_at_least_64_kib() -> None:
+    assert BLOCK_BYTES == 512 << 10
+
+
+def test_ratios_and_targets() -> None:
+    good = _result(ours_ms=20.0, gbps=8.0)
+    r = good.ratios()
+    assert r["over_floor_vs_example"][4112] == pytest.approx(20.0 * 4112 / 4096 / (4112 / 40))
+    assert r["ttft_vs_recompute"][2064] == pytest.approx((5.0 + 20.0 * 2064 / 4096) / 206.4)
+    assert r["bandwidth_vs_memcpy"][528] == pytest.approx(0.8)
+    assert good.targets_met() == {"over_floor_vs_example": True, "ttft_vs_recompute": True,
+                                  "bandwidth_vs_memcpy": True}
+    slow = _result(ours_ms=200.0, gbps=5.0)
+    assert slow.targets_met() == {"over_floor_vs_example": False, "ttft_vs_recompute": False,
+                                  "bandwidth_vs_memcpy": False}
+    text = "\n".join(slow.lines())
+    assert "NOT met" in text and "4112" in text and "load GB/s" in text
+    assert set(slow.as_dict()) == {"options", "arms", "ratios", "targets", "targets_met"}
