@@ -75,7 +75,7 @@ class VllmBenchOptions:
             round; medians are over ``rounds * hit_repeats`` requests. Each request starts
             from a full garbage collection, so a repeat is a cold hit like the first.
         sections: Any of ``"pd"``, ``"offload"`` and ``"long"`` (the long-prompt offload
-            series, ``kvspec.bench.vllm_long``, run with ``rounds // 2`` rounds, at least 2).
+            series, ``kvspec.bench.vllm_long``, run with half the rounds, at least 1).
     """
 
     rounds: int = 7
@@ -333,7 +333,7 @@ def run_vllm_bench(options: VllmBenchOptions,
     if "long" in options.sections:
         from .vllm_long import LongOptions, run_long_bench
 
-        long = run_long_bench(LongOptions(rounds=max(2, options.rounds // 2),
+        long = run_long_bench(LongOptions(rounds=max(1, (options.rounds + 1) // 2),
                                           hit_repeats=min(options.hit_repeats, 2),
                                           aa=options.aa), say)
     return VllmBenchResult(options, pd, offload, fleet.startup, engine_only, long)

@@ -431,6 +431,38 @@ def test_connector_shutdown_failure_is_reported(tp_size: int) -> None:
     assert "cannot release the registration" in info.value.observed
 
 
+class _CrashingLoadWorker(NullWorker):
+    def start_load_kv(self, forward_context):  # type: ignore[no-untyped-def]
+        raise RuntimeError("shape mismatch in my loader")
+
+
+class CrashingLoadConnector(NullConnector):
+    """Module level, so worker processes can import it by name."""
+
+    def create_worker(self, config, rank):  # type: ignore[no-untyped-def]
+        return _CrashingLoadWorker(config, rank)
+
+
+def test_a_hook_that_crashes_in_a_worker_process_names_err010_as_in_process() -> None:
+    """A connector's crash in a worker process got no clause (a bare "worker rank 0
+    raised"), where the same crash in process is ERR-010 naming the hook: the worker
+    process now judges it where the traceback is, with the same words."""
+    from kvspec.conformance._report import _find_violation
+
+    with pytest.raises(ContractViolation) as info:
+        with Engine(CrashingLoadConnector(), HarnessConfig(tp_size=2)) as e:
+            e.run(SCENARIOS["single"])
+    assert info.value.clause == "ERR-010"
+    with pytest.raises(RuntimeError) as crash:  # in process: the report judges the crash
+        with Engine(CrashingLoadConnector(), HarnessConfig(tp_size=1)) as e:
+            e.run(SCENARIOS["single"])
+    same = _find_violation(crash.value)
+    assert same is not None and same.clause == "ERR-010"
+    assert same.observed == ("_CrashingLoadWorker.start_load_kv raised RuntimeError: "
+                             "shape mismatch in my loader")
+    assert info.value.observed == f"rank 0: {same.observed}"
+
+
 def test_an_engine_that_failed_to_start_does_not_disable_leak_checks() -> None:
     """A constructor that raises must not leave the engine registered as live, or every
     later engine in the process would skip its thread-leak check (WRK-015)."""

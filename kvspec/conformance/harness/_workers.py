@@ -28,6 +28,7 @@ from kvspec.protocols import (
     ConnectorStats,
     ContractViolation,
     HandshakeMetadata,
+    HarnessError,
     KVConnectorOutput,
     KVSpecError,
     TransferTimeoutError,
@@ -150,11 +151,30 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
                              "violations": violations})
     except EOFError:
         return
-    except BaseException:
+    except BaseException as e:
         try:
-            _send(conn_out, {"error": traceback.format_exc()})
+            _send(conn_out, {"error": traceback.format_exc(), "verdict": _verdict(e)})
         except Exception:
             pass
+
+
+def _verdict(exc: BaseException) -> dict[str, str] | None:
+    """What an exception in a worker process means, judged here, where its traceback is:
+    the clause it breaks (a ContractViolation, a kvspec error naming a clause, or a
+    connector hook that crashed: ERR-010), ``{"harness": ...}`` for kvspec's own failure,
+    or None. The parent raises the same verdict an in-process worker would get."""
+    try:
+        from .._report import _find_violation, _harness_error
+    except Exception:  # judged by the parent as a bare worker error
+        return None
+    own = _harness_error(exc)
+    if own is not None:
+        return {"harness": f"{type(own).__name__}: {own}"}
+    found = _find_violation(exc)
+    if found is None:
+        return None
+    return {"clause": str(found.clause), "observed": found.observed,
+            "expected": found.expected}
 
 
 def _encode_custom(value: Any, field: str) -> tuple[dict[str, str] | None, list[dict[str, str]]]:
@@ -256,6 +276,13 @@ class ProcessWorkers:
             code = self.procs[rank].poll()
             raise WorkerDiedError(f"worker rank {rank} died (exit code {code})") from None
         if "error" in reply:
+            verdict = reply.get("verdict") or {}
+            if "harness" in verdict:
+                raise HarnessError(f"worker rank {rank}: {verdict['harness']}\n{reply['error']}")
+            if "clause" in verdict:
+                raise ContractViolation(verdict["clause"],
+                                        observed=f"rank {rank}: {verdict['observed']}",
+                                        expected=verdict["expected"], reproduce=reply["error"])
             raise KVSpecError(f"worker rank {rank} raised:\n{reply['error']}")
         return reply
 

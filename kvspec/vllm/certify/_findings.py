@@ -65,6 +65,22 @@ class Finding:
 
 
 FINDINGS: tuple[Finding, ...] = (
+    Finding(  # before EX-1, whose pattern also matches this crash
+        "EX-6", "ExampleConnector", "ERR-010",
+        r"rank \d+: \S*start_load_kv raised RuntimeError: shape mismatch: value tensor of "
+        r"shape \[\d+, (\d+), \d+\] cannot be broadcast to indexing result of shape "
+        r"\[\d+, (?!\1\b)\d+, \d+\]",
+        "connector bug",
+        "A store written at one tensor-parallel size crashes an engine of another",
+        "The defect of EX-3 across engines: file names carry neither the rank nor the TP "
+        "size, so an engine at TP 2 sharing the store of an engine at TP 1 (one "
+        "`shared_storage_path` across a redeployment, or MultiConnector's run here, whose "
+        "store all of its tests share) finds files holding every head and crashes copying "
+        "them into its half of the heads.",
+        fix="put the TP rank and size (and the PP rank) into every file name, as for EX-3.",
+        reproducer="docs/vllm-findings/EX-3.py",
+        also=("MultiConnector",),
+    ),
     Finding(
         "EX-1", "ExampleConnector", "ERR-010", r"start_load_kv raised RuntimeError: shape mismatch",
         "connector bug",
