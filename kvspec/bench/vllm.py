@@ -64,8 +64,9 @@ class VllmBenchOptions:
 
     Attributes:
         rounds: Rounds over which medians are taken; arms alternate within each.
-        pd_lengths: Prompt lengths of the P/D comparison (``k * 32 + 1``: both connectors
-            then hand off ``k`` full blocks and the decode engine computes one token).
+        pd_lengths: Prompt lengths of the P/D comparison, up to 4097 (``k * 32 + 1``: both
+            connectors then hand off ``k`` full blocks and the decode engine computes one
+            token).
         offload_lengths: Prompt lengths of the offload comparison (not ``k * 32 + 1``,
             which ExampleConnector never hits: it stores ``(len-1)//32`` blocks and looks
             up ``(len-2)//32``).
@@ -79,7 +80,7 @@ class VllmBenchOptions:
     """
 
     rounds: int = 7
-    pd_lengths: tuple[int, ...] = (65, 129, 257)
+    pd_lengths: tuple[int, ...] = (65, 129, 257, 1025, 4097)
     offload_lengths: tuple[int, ...] = (80, 144, 272)
     aa: bool = False
     sections: tuple[str, ...] = ("pd", "offload", "long")
@@ -121,6 +122,17 @@ class VllmBenchResult:
     startup_s: dict[str, float]
     offload_engine: Arm | None = None
     long: LongResult | None = None
+
+    @staticmethod
+    def pd_bytes(n: int) -> int:
+        """Bytes of the full blocks a ``n``-token prompt hands off."""
+        return (n - 1) // BLOCK * PD_BLOCK_BYTES
+
+    def pd_gbps(self, arm: Arm, n: int) -> float:
+        """The hand-off's bytes over ``arm``'s connector part (GB/s; 0 when the part is not
+        above the floor)."""
+        ms = arm.own_ms[n]
+        return self.pd_bytes(n) / (ms * 1e-3) / 1e9 if ms > 0.01 else 0.0
 
     def net_ms(self, arm: Arm) -> dict[int, float]:
         """``arm``'s connector part minus the engine-only reference's part, per length."""
@@ -186,6 +198,11 @@ class VllmBenchResult:
                     row += [f"{a.ttft_ms[n]:.2f}", f"{a.own_ms[n]:.2f}", str(a.tokens_taken[n])]
                 rows.append([*row, f"{ratios[key][n]:.2f}"])
             out += markdown_table([*header, "kvspec/vLLM"], rows).splitlines()
+            if key == "pd_ttft":
+                out.append("  bytes handed off and the rate over the connector part: " + "; ".join(
+                    f"{n}: {self.pd_bytes(n) / (1 << 20):.2f} MiB, " + ", ".join(
+                        f"{a.name} {self.pd_gbps(a, n):.2f} GB/s" for a in pair)
+                    for n in pair[0].ttft_ms))
             out.append("  no-work prompt: " + ", ".join(
                 f"{a.name} {a.no_work_ms:.2f} ms" for a in pair))
             out.append("  tokens equal the no-connector engine's: " + ", ".join(
@@ -270,17 +287,26 @@ class _Fleet:
 _PDSpec = tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]
 
 
+PD_BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * BLOCK
+"""Bytes of one block of the P/D engines' model (2 layers, K and V, 2 heads of 64, fp32)."""
+_PD_ENGINE = {"model": {"max_position_embeddings": 4608}, "max_model_len": 4608,
+              "max_num_batched_tokens": 4608, "kv_cache_memory_bytes": 256 << 20}
+"""Room for 4097-token hand-offs (128 blocks, 8 MiB)."""
+
+
 def _pd_specs(aa: bool) -> list[_PDSpec]:
-    kv = {"factory": "kvspec.backends.nixl:NixlConnector"}
+    kv = {**_PD_ENGINE, "factory": "kvspec.backends.nixl:NixlConnector"}
     ours: _PDSpec = ("kvspec NIXL", {**kv, "kv_role": "kv_producer"}, {**kv, "kv_role": "kv_consumer"},
             {}, {})
     if aa:
         return [("kvspec NIXL (A)", ours[1], ours[2], {}, {}), ours]
     vllm = ("vLLM NixlConnector",
-            {"vllm_connector": {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
-                                "kv_buffer_device": "cpu"}},
-            {"vllm_connector": {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
-                                "kv_buffer_device": "cpu"}},
+            {**_PD_ENGINE, "vllm_connector": {"kv_connector": "NixlConnector",
+                                              "kv_role": "kv_producer",
+                                              "kv_buffer_device": "cpu"}},
+            {**_PD_ENGINE, "vllm_connector": {"kv_connector": "NixlConnector",
+                                              "kv_role": "kv_consumer",
+                                              "kv_buffer_device": "cpu"}},
             {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5671"},
             {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5672"})
     return [vllm, ours]
@@ -309,7 +335,7 @@ def run_vllm_bench(options: VllmBenchOptions,
     offload: tuple[Arm, Arm] | None = None
     engine_only: Arm | None = None
     try:
-        fleet.start("baseline", {})
+        fleet.start("baseline", dict(_PD_ENGINE))  # room for the longest P/D prompt
         # ExampleConnector's files in memory where there is a tmpfs: writing them back to
         # a disk would run kernel threads on the cores the next arm is timed on.
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

@@ -174,14 +174,18 @@ FINDINGS: tuple[Finding, ...] = (
     ),
     Finding(
         "MS-1", "MooncakeStoreConnector", "WRK-015",
-        r"threads still alive after shutdown: .*KVCacheStore",
+        r"threads still alive after shutdown: .*KVCacheStore|collecting what the connector "
+        r"still held did not end",
         "connector bug",
         "Shutdown leaves the worker's lookup, store and load threads running",
         "The worker role starts a lookup server thread and a store thread and load threads "
         "that loop forever; `shutdown` (MooncakeStoreWorker.close) closes the store handle "
         "but stops none of them and never closes the lookup server's socket. An engine "
         "restarted in the same process (an in-process LLM built twice, a test session) keeps "
-        "the old threads, and the old lookup server can answer the new scheduler.",
+        "the old threads, and the old lookup server can answer the new scheduler. Dropping "
+        "the connector can then hang for ever: collecting the lookup server's ZeroMQ "
+        "context waits for its socket, which the thread still blocked in `recv` keeps open "
+        "(kvspec's wrapper stops waiting after 10 s).",
         fix="in `close`, put a stop sentinel on each transfer thread's queue and join it, "
             "and close the lookup server (stop its loop, close its socket, join its thread).",
         reproducer="docs/vllm-findings/MS-1.py",

@@ -35,6 +35,7 @@ import os
 import random
 import socket
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ from kvspec.protocols import (
     BlockReferences,
     Capabilities,
     ConnectorMetadata,
+    ContractViolation,
     EngineConfigView,
     ForwardContextView,
     HandshakeMetadata,
@@ -258,14 +260,37 @@ def _guest() -> Iterator[None]:
             os.sched_setaffinity(0, affinity)
 
 
+_RELEASE_TIMEOUT_S = 10.0
+
+
 def _release(holder: Any) -> None:
     """Shut ``holder._conn`` (a vLLM connector) down and drop it, then collect: what the
     connector holds until collected (a NIXL agent and its sockets) is freed, as an engine
-    process exiting after shutdown would free it."""
+    process exiting after shutdown would free it. The collection runs on its own thread
+    and is waited for at most ``_RELEASE_TIMEOUT_S``: a finalizer can block for ever (a
+    ZeroMQ context terminating while a socket the connector left open is still in use).
+
+    Raises:
+        ContractViolation: WRK-015, when collecting what the connector left did not end.
+    """
     conn, holder._conn = holder._conn, None
     conn.shutdown()
     del conn
-    gc.collect()
+    done = threading.Event()
+
+    def collect() -> None:
+        gc.collect()
+        done.set()
+
+    threading.Thread(target=collect, name="kvspec-release-collect", daemon=True).start()
+    if not done.wait(_RELEASE_TIMEOUT_S):
+        raise ContractViolation(
+            "WRK-015", observed="after shutdown, collecting what the connector still held "
+            f"did not end in {_RELEASE_TIMEOUT_S:.0f} s (a finalizer blocked: for example a "
+            "ZeroMQ context terminating while a socket of a thread the connector left "
+            "running is still open)",
+            expected="shutdown stops every thread and closes every socket it opened, so "
+            "that dropping the connector returns at once")
 
 
 _SIDE_CHANNEL_PORTS = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_MOONCAKE_BOOTSTRAP_PORT")
