@@ -174,7 +174,7 @@ FINDINGS: tuple[Finding, ...] = (
     ),
     Finding(
         "MS-1", "MooncakeStoreConnector", "WRK-015",
-        r"threads still alive after shutdown: .*KVCacheStore|collecting what the connector "
+        r"threads still alive after shutdown.*KVCacheStore|collecting what the connector "
         r"still held did not end",
         "connector bug",
         "Shutdown leaves the worker's lookup, store and load threads running",
@@ -189,6 +189,35 @@ FINDINGS: tuple[Finding, ...] = (
         fix="in `close`, put a stop sentinel on each transfer thread's queue and join it, "
             "and close the lookup server (stop its loop, close its socket, join its thread).",
         reproducer="docs/vllm-findings/MS-1.py",
+    ),
+    Finding(
+        "MS-2", "MooncakeStoreConnector", "SCH-001", r"get_num_new_matched_tokens\(",
+        "kvspec stricter",
+        "A repeated lookup in one step can answer more",
+        "The match reads the store's current contents, which the connector's own background "
+        "stores (and other engines) change at any time, so asking twice in one step can "
+        "answer more the second time. SCH-001 asks for the same answer; vLLM asks once per "
+        "request and scheduling attempt, and a larger answer only loads more.",
+    ),
+    Finding(
+        "MS-3", "MooncakeStoreConnector", None, r"^AssertionError",
+        "kvspec stricter",
+        "It refuses KV tensors that hold more blocks than the budget",
+        "Its worker groups each layer's cache with vLLM's `group_kernel_blocks`, which "
+        "asserts that the tensor's first dimension is a multiple of "
+        "`KVCacheConfig.num_blocks`. vLLM allocates exactly that many; kvcached "
+        "over-allocates, and kvspec requires a connector to take a larger capacity (LAY-003, "
+        "as NX-2).",
+    ),
+    Finding(
+        "MS-4", "MooncakeStoreConnector", "SCH-021", r"was not reported in finished_recving",
+        "open",
+        "A request aborted while its load is in flight is never reported received",
+        "The harness aborts a request whose asynchronous load from the store is in flight; "
+        "no rank reports it in `finished_recving` within 10 s. vLLM keeps such a request "
+        "(and its blocks) until that report. Not established yet: whether the load is "
+        "dropped at the abort (a connector bug) or the harness's abort timing is one vLLM "
+        "does not produce with this connector; no reproducer yet.",
     ),
     Finding(
         "LM-1", "LMCacheMPConnector", "ERR-009",

@@ -261,9 +261,10 @@ def _verdict(run: ConnectorRun, counts: Mapping[str, int], ids: Sequence[str]) -
     report = run.report or {}
     if counts["skip"] == len(report.get("tests", ())):
         return "cannot run here: " + _first_skip(report)
-    starts = [t for t in report.get("tests", ())
-              if "test_engine_starts" in t["key"] and t["outcome"] == "fail"]
-    if starts:
+    tests = report.get("tests", ())
+    starts = [t for t in tests if "test_engine_starts" in t["key"] and t["outcome"] == "fail"]
+    if starts and all(t["outcome"] == "skip" for t in tests if t not in starts):
+        # every other test was skipped for it: the engine could not be built
         return "does not start: " + ", ".join(ids or ["unexplained"])
     loaded = sum((t.get("loads") or {}).get("loads", 0) for t in report.get("tests", ()))
     blind = "" if loaded else " (no test loaded anything: its load path is unchecked)"
