@@ -548,6 +548,12 @@ class OffloadScheduler(SchedulerConnector):
 
     Each store job carries a fresh tag that the workers record per slot; a load carries the
     tag it expects, so a slot whose content changed fails instead of loading wrong bytes.
+    Blocks whose store is still in flight match too (SCH-031): their load carries that
+    store's slot and tag, and the workers run it after the store, so a request that comes
+    before the store is reported (no engine step in between) is served, and a failed store
+    fails the load. With ``serve_pending=False`` (the layerwise store path) or
+    ``sync_loads``, a match that reaches a store in flight is deferred (``(None, False)``)
+    until the store is reported instead.
     Per-block work is a handful of C-level container operations: planning a 256-block
     store or load costs tens of microseconds (``kvspec bench offload`` measures it).
     """
