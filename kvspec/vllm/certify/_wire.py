@@ -10,12 +10,16 @@ The bytes are decoded untyped first (MessagePack runs no code), then built into 
 annotated types field by field (``_build``), so unions msgspec's typed decoder refuses
 (vLLM's ``tuple[list[int], ...] | list[list[int]]``) work too.
 
-Decoding imports nothing: the class must already be loaded in the decoding process (the
-connector's module loaded it) and must be a ``KVConnectorMetadata`` subclass that is a
-dataclass of plain values, tensors and nested dataclasses, or a plain class whose
-no-argument ``__init__`` declares every attribute with an annotation
-(``self.reqs: dict[str, ReqMeta] = {}``, as vLLM's ``NixlConnectorMetadata`` does): its
-attributes are then encoded by name and decoded against those annotations.
+Every object travels as a map tagged with its class (``"@class": "module:qualname"``), so a
+field declared as a base class decodes into the subclass it held (MultiConnector's tuple of
+its connectors' metadata). Decoding imports nothing and runs no ``__init__``: each tagged
+class must already be loaded in the decoding process (the connector's module loaded it),
+must be the declared type or a subclass of it (a ``KVConnectorMetadata`` at the top), and
+must be a dataclass of plain values, tensors and nested objects, or a plain class whose
+``__init__`` gives every attribute it sets a type: an annotation
+(``self.reqs: dict[str, ReqMeta] = {}``, as vLLM's ``NixlConnectorMetadata`` does) or an
+annotated parameter it stores (``self.ids = ids`` for ``ids: set[str]``, as
+``MooncakeStoreConnectorMetadata`` does). Its fields are decoded against those types.
 """
 
 from __future__ import annotations
