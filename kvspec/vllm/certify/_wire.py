@@ -19,7 +19,8 @@ must be a dataclass of plain values, tensors and nested objects, or a plain clas
 ``__init__`` gives every attribute it sets a type: an annotation
 (``self.reqs: dict[str, ReqMeta] = {}``, as vLLM's ``NixlConnectorMetadata`` does) or an
 annotated parameter it stores (``self.ids = ids`` for ``ids: set[str]``, as
-``MooncakeStoreConnectorMetadata`` does). Its fields are decoded against those types.
+``MooncakeStoreConnectorMetadata`` does; ``Any`` is no type: such a class is not carried).
+Its fields are decoded against those types.
 """
 
 from __future__ import annotations
@@ -298,8 +299,8 @@ def _init_annotations(cls: type) -> dict[str, Any] | None:
             except Exception:
                 return None
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) \
-                and node.value.id in params and target.attr not in out:
-            out[target.attr] = params[node.value.id]
+                and params.get(node.value.id, Any) is not Any and target.attr not in out:
+            out[target.attr] = params[node.value.id]  # ``Any`` says nothing to check against
         elif target.attr not in out:
             return None
     return out
