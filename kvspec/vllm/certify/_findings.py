@@ -239,19 +239,23 @@ FINDINGS: tuple[Finding, ...] = (
         "connector bug",
         "Asked again about a request, it takes its own first answer for a failed load and "
         "drops the hit",
-        "`get_num_new_matched_tokens` marks the request's tracker READY when its lookup "
-        "hits. Asked again while the request still has no computed tokens, it reads that "
-        "state as 'an asynchronous load failed', logs so, and bypasses LMCache for the "
-        "request: `(0, False)`. vLLM's scheduler asks again whenever it could not allocate "
-        "blocks for the request after a hit (memory pressure, the preemption scenario here), "
-        "so under pressure the hit is lost and the whole prompt recomputed, with a warning "
-        "about a load that never started.",
+        "The request's tracker becomes READY once its load is planned "
+        "(`build_connector_meta`). Asked again while the request has no computed tokens, "
+        "`get_num_new_matched_tokens` reads that state as 'an asynchronous load failed', "
+        "logs so, and bypasses LMCache for the request: `(0, False)`. vLLM asks again with "
+        "no computed tokens after it preempts a request (it frees the blocks and resets the "
+        "count; the preemption scenario here), so a preempted request that had loaded "
+        "recomputes its whole prompt, with a warning about a load that never failed. A "
+        "second ask after a failed allocation is not affected (the tracker is not READY "
+        "yet): a vLLM script that forced that case on 2026-11-26 did not reproduce it.",
         fix="tell a repeated question from a failed load by the request's state (a failed "
         "load passes through WAITING_FOR_REMOTE_KVS and update_state_after_alloc; a repeated "
         "lookup does not) and answer it from the kept lookup result.",
         no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
         "multi-process layout (an in-process vLLM-CPU engine crashes at worker start once "
-        "LMCache has imported numba) and memory pressure after a hit",
+        "LMCache has imported numba) and a preemption of a request that loaded; a "
+        "first script (engine core in a child process, lmcache server beside it) did not "
+        "finish on 2026-11-26",
     ),
     Finding(
         "LM-3", "LMCacheMPConnector", "SCH-020", r"request 'lora-\d+'.*holds the KV of the same tokens",
