@@ -634,15 +634,20 @@ class OffloadScheduler(SchedulerConnector):
         return len(list(stored)) * bs
 
     def _awaits_store(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
-        """Without loads of stores in flight: True when the block after the match is being
-        stored, so the match is deferred (SCH-002) until that store is reported (SCH-031):
-        the waiting request keeps the engine stepping, and the report comes."""
+        """Without loads of stores in flight: True when the block after the match is in a
+        store of a finished request, so the match is deferred (SCH-002) until that store is
+        reported (SCH-031): the waiting request keeps the engine stepping, and the report
+        comes. A running (or preempted) request's stores are reported only when it
+        finishes, so waiting for one of those could wait for ever: not deferred."""
         if self._serve_pending or not self._inflight or num_computed_tokens % self._block_size:
             return False
         i = (num_computed_tokens + count) // self._block_size
         keys = request.block_hashes
-        return i < min(len(keys), (request.num_prompt_tokens - 1) // self._block_size) \
-            and keys[i] in self._inflight
+        if i >= min(len(keys), (request.num_prompt_tokens - 1) // self._block_size) \
+                or keys[i] not in self._inflight:
+            return False
+        return any(keys[i] in record.keys for rid, records in self._saving.items()
+                   if rid not in self._known for record in records)
 
     def on_new_request(self, request: RequestView) -> None:
         """Remember the request (SCH-028)."""
