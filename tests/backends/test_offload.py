@@ -528,8 +528,8 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
 # -------------------------------------------------------------------------------- worker
 
 
-def _layers(layout: KVCacheLayout) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    storage = torch.randn(layout.span_elems).to(layout.dtype)
+def _layers(layout: KVCacheLayout, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    storage = torch.randn(layout.span_elems).to(layout.dtype).to(device)
     full = layout.view(storage)
     return storage, [full[layout.layer_slots[i]] for i in range(layout.num_layers)]
 
@@ -537,7 +537,7 @@ def _layers(layout: KVCacheLayout) -> tuple[torch.Tensor, list[torch.Tensor]]:
 def _block_bytes(layout: KVCacheLayout, layers: list[torch.Tensor], block: int) -> bytes:
     dim = 1 if layout.packing is KVPacking.SPLIT else 0
     return b"".join(
-        layer.select(dim, block).contiguous().view(torch.uint8).numpy().tobytes()
+        layer.select(dim, block).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         for layer in layers
     )
 
@@ -558,18 +558,25 @@ def _run(worker: OffloadWorker, meta: OffloadMetadata) -> None:
     worker.clear_connector_metadata()  # starts the transfers (no forward in this step)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize(
     ("order", "packing", "padding", "extra"),
     list(itertools.product(StrideOrder, KVPacking, [0, 2], [0, 3])),
 )
 def test_worker_store_load_round_trip_is_byte_exact(
-    order: StrideOrder, packing: KVPacking, padding: int, extra: int
+    order: StrideOrder, packing: KVPacking, padding: int, extra: int, device: str
 ) -> None:
+    """On the host, and with the KV caches on a GPU (the worker's copy stream, the pinned
+    pool and the device-side gathers)."""
     layout = KVCacheLayout.contiguous(
         order, packing, torch.float16, 3, 10, BS, 2, 4, block_capacity=10 + extra,
         page_padding_elems=padding,
     )
-    storage, layers = _layers(layout)
+    storage, layers = _layers(layout, device)
     worker = OffloadWorker(_config(offload_slots=4), 0)
     try:
         worker.register_kv_caches({f"l{i}": t for i, t in enumerate(layers)}, layout)
@@ -577,6 +584,7 @@ def test_worker_store_load_round_trip_is_byte_exact(
         assert pool is not None
         if order.block_outermost and padding == 0:
             assert layout.regions_per_block == 1 and pool.path == "block"
+        assert pool.host.is_pinned() == (device == "cuda")
         src = {b: _block_bytes(layout, layers, b) for b in (2, 7, 9)}
         _run(worker, OffloadMetadata(stores=(
             TransferJob.of("s", ((2, 3, 1), (7, 0, 2), (9, 1, 3)), False),)))
@@ -590,7 +598,7 @@ def test_worker_store_load_round_trip_is_byte_exact(
         assert _block_bytes(layout, layers, 0) == src[7]
         assert _block_bytes(layout, layers, 4) == src[9]
         # Only the loaded blocks' bytes changed: never padding or other blocks (WRK-002).
-        changed = storage.view(torch.uint8) != before.view(torch.uint8)
+        changed = (storage.view(torch.uint8) != before.view(torch.uint8)).cpu()
         allowed = torch.zeros(layout.span_bytes, dtype=torch.bool)
         for off in layout.block_region_offsets([5, 0, 4]).flatten().tolist():
             allowed[off: off + layout.region_nbytes] = True

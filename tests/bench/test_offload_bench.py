@@ -13,6 +13,7 @@ import torch
 
 from kvspec.bench._timing import ceiling_seconds, median_seconds, written_bytes
 from kvspec.bench.offload import (
+    GPU_TARGET,
     OffloadGrid,
     OffloadPoint,
     OffloadResult,
@@ -199,3 +200,15 @@ def test_svg_without_matplotlib_says_what_to_install(
     assert main([*_TINY, "--svg", str(tmp_path / "c.svg")]) == 2
     assert "--svg needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "c.svg").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_point_on_cuda_compares_with_pinned_copies_each_way() -> None:
+    point = OffloadPoint("LBNHC", 16, 2, 2, 64, "bfloat16", 32)
+    result = measure_point(point, repeats=2, warmup=1, seed=3, device="cuda")
+    assert result.device == "cuda" and result.load_ceiling_s is not None
+    assert result.store_ratio == result.ceiling_s / result.store_s
+    assert result.load_ratio == result.load_ceiling_s / result.load_s
+    checks = check_targets([result], [])
+    assert {c.threshold for c in checks} == {GPU_TARGET}

@@ -108,17 +108,38 @@ class CudaCapturer(GraphCapturer):
                 torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             pool = torch.cuda.graph_pool_handle()
-            try:
-                with _capture_region(), torch.cuda.graph(graph, pool=pool):
+            # As torch.cuda.graph does, on a side stream, but by hand: torch.cuda.graph's exit
+            # ends the capture and only then restores the caller's stream, so when the end
+            # fails (a call CUDA refused invalidated the capture) the caller is left on the
+            # capture stream and every later capture fails ("a previous error during capture").
+            torch.cuda.synchronize(self.device)
+            capture_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            capture_stream.wait_stream(torch.cuda.current_stream(self.device))
+            failure: BaseException | None = None
+            with _capture_region(), torch.cuda.stream(capture_stream):
+                graph.capture_begin(pool=pool)
+                try:
                     with _host_sync_guard(), _CheckingDispatchMode():
                         out = fn()
-            except Exception as err:
+                except BaseException as err:
+                    failure = err
+                try:
+                    graph.capture_end()
+                except Exception as err:
+                    failure = failure or err
+            torch.cuda.current_stream(self.device).wait_stream(capture_stream)
+            if failure is not None:
+                try:
+                    graph.reset()  # what a failed capture holds
+                except Exception:  # noqa: S110  (nothing was captured to free)
+                    pass
                 # Our own refusal, even if capture_end then failed on top of it.
-                ours = _kvspec_error_in_chain(err)
+                ours = _kvspec_error_in_chain(failure)
                 if ours is not None:
                     raise ours from None
-                violation = _translate_capture_error(err)
+                violation = _translate_capture_error(failure) \
+                    if isinstance(failure, Exception) else None
                 if violation is None:
-                    raise
-                raise violation from err
+                    raise failure
+                raise violation from failure
         return CudaGraph(graph, pool, self.device, out), out

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvspec.protocols import (
+    CapabilityError,
     ConnectorFactory,
     ConnectorMetadata,
     ContractViolation,
@@ -46,7 +47,7 @@ from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
 from .._tracebacks import hide_unless_harness_bug
 
-__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WorkerRuntime"]
+__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WorkerRuntime", "open_device"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 FREED_POISON = POISON
@@ -56,6 +57,15 @@ ALLOC_POISON = POISON + 2
 PREEMPTED_POISON = POISON + 4
 """Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
 loading it back proves a transfer that still read them (WRK-012)."""
+
+
+def open_device(device: str) -> None:
+    """Create ``device``'s context now, the harness's own resource: a CUDA context opens
+    descriptors (the driver's device files, an eventfd, pipes) and threads that the leak
+    checks (ERR-009, WRK-015) must not count as the connector's. Nothing for ``cpu``."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.empty(1, device=device)
+        torch.cuda.synchronize(device)
 
 
 class WorkerRuntime:
@@ -74,7 +84,12 @@ class WorkerRuntime:
         self.factory = factory
         self.caps = factory.capabilities
         self.layout = config.layout()
-        self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise CapabilityError(f"HarnessConfig.device is {config.device!r}, but CUDA is not "
+                                  "available on this machine; expected device='cpu'")
+        dev = self.device
+        self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype, device=dev)
         self.buffer.fill_(ALLOC_POISON)
         view = self.layout.view(self.buffer)
         self.layer_names = tuple(f"model.layers.{i}.attn" for i in range(config.num_layers))
@@ -89,16 +104,22 @@ class WorkerRuntime:
         pad, chans = config.pad_block, 2 * config.head_size
         self.t_max = max(config.max_tokens_per_step, *config.capture_sizes)
         self.r_max = config.num_blocks * config.block_size
-        self.slot_block = torch.full((self.t_max,), pad, dtype=torch.int64)
-        self.slot_off = torch.zeros(self.t_max, dtype=torch.int64)
-        self.vals = torch.zeros(config.num_layers, self.t_max, hpr, chans, dtype=self.layout.dtype)
-        self.read_block = torch.full((self.r_max,), pad, dtype=torch.int64)
-        self.read_off = torch.zeros(self.r_max, dtype=torch.int64)
-        self.read_out = torch.zeros(config.num_layers, self.r_max, hpr, chans, dtype=self.layout.dtype)
-        self.hidden = torch.zeros(config.num_layers, self.t_max, 4)
+        self.slot_block = torch.full((self.t_max,), pad, dtype=torch.int64, device=dev)
+        self.slot_off = torch.zeros(self.t_max, dtype=torch.int64, device=dev)
+        self.vals = torch.zeros(config.num_layers, self.t_max, hpr, chans, dtype=self.layout.dtype,
+                                device=dev)
+        self.read_block = torch.full((self.r_max,), pad, dtype=torch.int64, device=dev)
+        self.read_off = torch.zeros(self.r_max, dtype=torch.int64, device=dev)
+        self.read_out = torch.zeros(config.num_layers, self.r_max, hpr, chans,
+                                    dtype=self.layout.dtype, device=dev)
+        self.hidden = torch.zeros(config.num_layers, self.t_max, 4, device=dev)
+        self._offsets = torch.arange(self.t_max, device=dev) % config.block_size
         self.graphs: dict[int, list[CapturedGraph]] = {}
-        self.capturer = make_capturer("cpu", warmup=0) if self.mode is not GraphMode.NONE else None
+        # CPU: the emulator; CUDA: real graphs, captured on a side stream (GRA-004).
+        self.capturer = (make_capturer(dev, warmup=0) if self.mode is not GraphMode.NONE
+                         else None)
         self.hook_calls = 0
+        self._padding_steps = 0
         # Blocks taken from preempted requests -> the KV hashes the engine wrote into them
         # since: a load that delivers one of those read the block after handle_preemptions
         # returned (WRK-012), though the poison was overwritten by then.
@@ -159,6 +180,22 @@ class WorkerRuntime:
         self.connector.clear_connector_metadata()
         violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
         return out, violations
+
+    def padding_step(self, size: int) -> None:
+        """One step of ``size`` padding tokens with the connector's dummy metadata bound: its
+        hooks as a real step calls them, the forward replayed when ``size`` was captured,
+        else eager. No request's KV moves. For ``kvspec bench graphs``."""
+        kind = ForwardKind.REPLAY if size in self.graphs else ForwardKind.REAL
+        plan = self._plan(kind)
+        self._padding_steps += 1
+        ctx = ForwardContextView(kind, self._padding_steps, size, self.layer_names)
+        self.connector.bind_connector_metadata(self.connector.build_dummy_connector_meta(ctx))
+        if plan.start_load:
+            self.connector.start_load_kv(ctx)
+        self._forward(kind, size, ctx, plan)
+        if plan.wait_for_save:
+            self.connector.wait_for_save()
+        self.connector.clear_connector_metadata()
 
     def _lost_hooks(self, plan: ForwardPlan, calls: int, ran: bool) -> list[dict[str, str]]:
         """GRA-010: every per-layer hook the plan says runs eagerly ran, once per layer."""
@@ -313,7 +350,7 @@ class WorkerRuntime:
                                      for layer in range(self.config.num_layers)]))
         n, m = len(slot_b), len(read_b)
         self.slot_block.fill_(pad)
-        self.slot_off.copy_(torch.arange(self.t_max) % bs)
+        self.slot_off.copy_(self._offsets)
         self.read_block.fill_(pad)
         self.read_off.zero_()
         self.vals.zero_()
@@ -334,12 +371,13 @@ class WorkerRuntime:
         them (SCH-024).
         """
         bs = self.config.block_size
+        read_out = self.read_out.cpu()  # waits for the step's device work
         for layer in range(self.config.num_layers):
             for r, hashes, at in reads:
                 s = r["start"]
                 if s == 0:
                     continue
-                got = self.read_out[layer, at : at + s]
+                got = read_out[layer, at : at + s]
                 want = self.model.kv(hashes[:s], layer, self.heads).to(self.layout.dtype)
                 if torch.equal(got, want):
                     continue

@@ -35,7 +35,7 @@ from kvspec.protocols import (
 )
 
 from ._resources import Snapshot, snapshot
-from ._worker import WorkerRuntime, decode_meta, encode_meta
+from ._worker import WorkerRuntime, decode_meta, encode_meta, open_device
 from .config import HarnessConfig
 from .._tracebacks import hide_unless_harness_bug
 
@@ -123,10 +123,11 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
     conn_out = Connection(int(argv[1]), readable=False)
     try:
         init = json.loads(conn_in.recv_bytes())
+        config = HarnessConfig.from_plain(init["config"])
+        open_device(config.device)
         before = snapshot()  # what this process holds before the connector exists
         sys.path[:] = init["path"]
         factory = load_factory(init["factory"])
-        config = HarnessConfig.from_plain(init["config"])
         rt = WorkerRuntime(factory, config, init["rank"], init["tmpdir"])
         rt.register()
         hs = rt.connector.get_handshake_metadata()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ from kvspec.protocols._loading import EXTRA_ENV, connector_extra
 __all__ = ["EXTRA_ENV", "HarnessConfig", "connector_extra"]
 
 
+
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -88,6 +91,9 @@ class HarnessConfig:
         lazy_capture: Capture each size the first time a step needs it, mid-serving, with
             transfers in flight (GRA-008), instead of at start-up.
         strict_graphs: Refuse FULL graphs for eager hooks instead of downgrading (GRA-002).
+        device: Where the KV caches, the toy forward and its graphs live: ``"cpu"`` (the
+            default; graphs are emulated) or ``"cuda"`` / ``"cuda:N"`` (real CUDA graphs,
+            ``make_capturer("cuda")``). The suite takes it from ``$KVSPEC_DEVICE``.
         engine_id: The engine's id.
         role: Producer, consumer or both.
         extra: Connector configuration passed in ``EngineConfigView.extra``.
@@ -118,6 +124,7 @@ class HarnessConfig:
     capture_sizes: tuple[int, ...] = attrs.field(default=(8, 32), converter=_sizes)
     lazy_capture: bool = False
     strict_graphs: bool = False
+    device: str = "cpu"
     engine_id: str = "engine-0"
     role: TransferRole = TransferRole.BOTH
     extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra)
@@ -152,6 +159,9 @@ class HarnessConfig:
         if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 60:
             raise InvalidArgumentError(
                 f"HarnessConfig.preempted_hold_s must be seconds in [0, 60], got {hold!r}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise InvalidArgumentError(
+                f"HarnessConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.num_blocks < 2:
             raise InvalidArgumentError("num_blocks must be >= 2: the last block pads dummy runs")
 

@@ -53,6 +53,7 @@ from ._blockpool import BlockPool, block_hashes
 from ._resources import Snapshot, snapshot
 from ._toymodel import ToyModel, tenant_seed
 from ._workers import InProcessWorkers, ProcessWorkers, WorkerGroup
+from ._worker import open_device
 from .config import HarnessConfig
 from .workload import RequestSpec, Workload, scale_request
 from .._tracebacks import hide_unless_harness_bug
@@ -165,6 +166,7 @@ class Engine:
         self.workload: Workload | None = None
         self._closed = False
         # Leaks are judged against the state before the first live engine started.
+        open_device(self.config.device)  # the harness's own context, not a leak
         baseline = None if Engine._live else snapshot()
         try:
             self._build(factory, factory_spec)

@@ -12,12 +12,15 @@ from ...protocols import Capabilities, ConnectorFactory, KVPacking, StrideOrder
 from ..harness import Engine, HarnessConfig, RunResult, Workload
 from .._tracebacks import hide_unless_harness_bug
 
-__all__ = ["TIMEOUT_ENV", "config_for", "layout_cases", "serve", "start_engine", "startup_failure"]
+__all__ = ["DEVICE_ENV", "TIMEOUT_ENV", "config_for", "layout_cases", "serve", "start_engine", "startup_failure"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 
 TIMEOUT_ENV = "KVSPEC_TRANSFER_TIMEOUT_S"
 """Environment variable: seconds an awaited transfer may stay unreported (default 10)."""
+DEVICE_ENV = "KVSPEC_DEVICE"
+"""Environment variable: the harness's device, ``cpu`` (default) or ``cuda[:N]``: KV caches,
+forwards and real CUDA graphs on the GPU (``HarnessConfig.device``)."""
 
 
 def config_for(caps: Capabilities, **overrides: Any) -> HarnessConfig:
@@ -26,7 +29,8 @@ def config_for(caps: Capabilities, **overrides: Any) -> HarnessConfig:
     workloads' prompts, the step token budget and the capture sizes scale with it
     (``HarnessConfig.token_scale``), so the suite loses no hit to the larger block.
 
-    The transfer timeout comes from ``$KVSPEC_TRANSFER_TIMEOUT_S`` when set.
+    The transfer timeout comes from ``$KVSPEC_TRANSFER_TIMEOUT_S`` when set, the device
+    from ``$KVSPEC_DEVICE``.
     """
     if "order" not in overrides and caps.accepted_layouts:
         overrides["order"] = caps.accepted_layouts[0]
@@ -45,6 +49,8 @@ def config_for(caps: Capabilities, **overrides: Any) -> HarnessConfig:
                 "capture_sizes", defaults.capture_sizes))
     if "transfer_timeout_s" not in overrides and os.environ.get(TIMEOUT_ENV):
         overrides["transfer_timeout_s"] = float(os.environ[TIMEOUT_ENV])
+    if "device" not in overrides and os.environ.get(DEVICE_ENV):
+        overrides["device"] = os.environ[DEVICE_ENV]
     return HarnessConfig(**overrides)
 
 

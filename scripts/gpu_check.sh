@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/conformance.md ("GPU results"), in one run on a CUDA machine whose
+# python3 has torch (a CUDA build): kvspec's other dependencies come as wheels in .whl/
+# (scripts/gpu_wheels.sh downloads them), kvspec itself from this checkout.
+#
+#   1. pytest -m gpu           the CUDA twins of the graph tests and the emulator agreement
+#   2. the suite's graph tests KVSPEC_DEVICE=cuda: real CUDA graphs (eager, PIECEWISE, FULL,
+#                              lazy capture mid-serving) for layerwise and offload-layerwise
+#   3. kvspec bench offload    store/load vs pinned copies (--device cuda)
+#   4. kvspec bench graphs     one step under FULL (hooks captured) vs PIECEWISE (hooks eager)
+#   5. the whole suite on cuda for offload-layerwise, while time is left
+#
+# Logs go to $RESULTS (default /tmp/kvspec-gpu), packed at the end into $OUT/results.tgz
+# with summary.txt beside it (default ./gpu-results). Each step is bounded by `timeout`;
+# a failing step does not stop the next. On a machine without CUDA, step 1 skips, the
+# others say CUDA is unavailable (KVSPEC_DEVICE=cpu runs the script's plumbing there).
+set -u
+OUT=${OUT:-$PWD/gpu-results}
+RESULTS=${RESULTS:-/tmp/kvspec-gpu}
+rm -rf "$RESULTS"
+mkdir -p "$OUT" "$RESULTS"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+DEVICE=${KVSPEC_DEVICE:-cuda}
+if [ -z "${KVSPEC_NO_WHEELS:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/kvspec-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/kvspec-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PLUGIN="-p kvspec.conformance.plugin -p no:cacheprovider"
+# the suite's own entry point registers the plugin once installed; from a checkout, -p does
+$PY -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'kvspec' for e in m.entry_points(group='pytest11')) else 1)" \
+    && PLUGIN="-p no:cacheprovider"
+
+DEADLINE=${DEADLINE_S:-0}  # seconds for the whole script (0: none); steps shrink to fit
+
+step() {  # step NAME SECONDS CMD...: run CMD bounded, log to $RESULTS/NAME.log, record rc
+    local name=$1 limit=$2; shift 2
+    if [ "$DEADLINE" -gt 0 ]; then
+        local left=$((DEADLINE - SECONDS - 15))
+        if [ "$left" -lt 20 ]; then
+            echo "$name skipped: ${left}s left" | tee -a "$RESULTS/summary.txt"
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    local t0=$SECONDS
+    echo "== $name (limit ${limit}s)"
+    timeout -k 5 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$RESULTS/summary.txt"
+    tail -n 6 "$RESULTS/$name.log"
+    # what is packed so far comes back even if the run is cut off later
+    tar czf "$OUT/results.tgz" -C "$RESULTS" . && cp "$RESULTS/summary.txt" "$OUT/summary.txt"
+}
+
+{
+    date -u +%FT%TZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+} | tee "$RESULTS/device.txt"
+
+step gpu-tests 120 $PY -m pytest $PLUGIN -m gpu tests -q -rs \
+    --junitxml="$RESULTS/gpu-tests.xml"
+for spec in kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector \
+            kvspec.backends.offload:LayerwiseOffloadConnector; do
+    name=graphs-${spec##*:}
+    step "$name" 120 $PY -m kvspec.cli conform --device "$DEVICE" "$spec" \
+        --report "$RESULTS/$name.json" -- -q -rs -k GraphModes
+done
+step bench-offload 60 $PY -m kvspec.cli bench offload --device "$DEVICE" --repeats 9
+step bench-graphs 60 $PY -m kvspec.cli bench graphs --device "$DEVICE"
+for spec in kvspec.backends.offload:LayerwiseOffloadConnector \
+            kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector; do
+    name=suite-${spec##*:}
+    step "$name" 120 $PY -m kvspec.cli conform --device "$DEVICE" "$spec" \
+        --report "$RESULTS/$name.json" -- -q -rs
+done
+echo "== summary"
+cat "$RESULTS/summary.txt"
