@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/conformance.md ("GPU results"), in one run on a CUDA machine whose
 # python3 has torch (a CUDA build): kvspec's other dependencies come as wheels in .whl/
-# (scripts/gpu_wheels.sh downloads them), kvspec itself from this checkout.
+# (docs/conformance.md, "GPU results", says how to fetch them), kvspec itself from this checkout.
 #
 #   1. pytest -m gpu           the CUDA twins of the graph tests and the emulator agreement
-#   2. the suite's graph tests KVSPEC_DEVICE=cuda: real CUDA graphs (eager, PIECEWISE, FULL,
-#                              lazy capture mid-serving) for layerwise and offload-layerwise
-#   3. kvspec bench offload    store/load vs pinned copies (--device cuda)
-#   4. kvspec bench graphs     one step under FULL (hooks captured) vs PIECEWISE (hooks eager)
-#   5. the whole suite on cuda for offload-layerwise, while time is left
+#   2. kvspec bench offload    store/load vs pinned copies (--device cuda)
+#   3. kvspec bench graphs     one step under FULL (hooks captured) vs PIECEWISE (hooks eager)
+#   4. kvspec conform --device cuda, the whole suite (its graph tests: eager, PIECEWISE, FULL,
+#                              lazy capture mid-serving) for offload-layerwise, layerwise and
+#                              offload ($SUITES), then NIXL where nixl is installed (VRAM
+#                              registration), while time is left (DEADLINE_S)
 #
 # Logs go to $RESULTS (default /tmp/kvspec-gpu), packed at the end into $OUT/results.tgz
 # with summary.txt beside it (default ./gpu-results). Each step is bounded by `timeout`;
@@ -64,19 +65,23 @@ torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 
 step gpu-tests 120 $PY -m pytest $PLUGIN -m gpu tests -q -rs \
     --junitxml="$RESULTS/gpu-tests.xml"
-for spec in kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector \
-            kvspec.backends.offload:LayerwiseOffloadConnector; do
-    name=graphs-${spec##*:}
-    step "$name" 120 $PY -m kvspec.cli conform --device "$DEVICE" "$spec" \
-        --report "$RESULTS/$name.json" -- -q -rs -k GraphModes
-done
-step bench-offload 60 $PY -m kvspec.cli bench offload --device "$DEVICE" --repeats 9
-step bench-graphs 60 $PY -m kvspec.cli bench graphs --device "$DEVICE"
-for spec in kvspec.backends.offload:LayerwiseOffloadConnector \
-            kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector; do
+step bench-offload 60 $PY -m kvspec.cli bench offload --device "$DEVICE" \
+    --repeats "${OFFLOAD_REPEATS:-9}"
+step bench-graphs 60 $PY -m kvspec.cli bench graphs --device "$DEVICE" \
+    --repeats "${GRAPHS_REPEATS:-50}"
+# The whole suite (its graph tests: eager, PIECEWISE, FULL, lazy capture mid-serving) on the
+# device: the two capturable-hooks connectors, then the offload backend's stream path.
+for spec in ${SUITES:-kvspec.backends.offload:LayerwiseOffloadConnector \
+            kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector \
+            kvspec.backends.offload:OffloadConnector}; do
     name=suite-${spec##*:}
     step "$name" 120 $PY -m kvspec.cli conform --device "$DEVICE" "$spec" \
         --report "$RESULTS/$name.json" -- -q -rs
 done
+# NIXL with the KV caches in GPU memory (VRAM registration), where nixl is installed
+if $PY -c "import nixl" 2>/dev/null; then
+    step suite-NixlConnector 150 $PY -m kvspec.cli conform --device "$DEVICE" \
+        kvspec.backends.nixl:NixlConnector --report "$RESULTS/suite-NixlConnector.json" -- -q -rs
+fi
 echo "== summary"
 cat "$RESULTS/summary.txt"

@@ -1,8 +1,9 @@
 """CUDA graphs behind the common API: ``torch.cuda.CUDAGraph`` used as torch documents it.
 
-``capture(fn)`` warms ``fn`` up on a side stream, then captures it with
-``torch.cuda.graph(g, pool=...)`` into a private memory pool, under the same GRA-004 guards as
-the emulator (they raise before CUDA sees the illegal call, so the capture ends cleanly). A
+``capture(fn)`` warms ``fn`` up on a side stream, then captures it on another side stream,
+as ``torch.cuda.graph`` does but ending a failed capture itself, into a private memory pool,
+with the cyclic garbage collector off, under the same GRA-004 guards as the emulator (they
+raise before CUDA sees the illegal call, so the capture ends cleanly). A
 CUDA error about stream capture that the guards did not anticipate is turned into the same
 ``ContractViolation`` with the call site taken from its traceback.
 
@@ -11,6 +12,7 @@ Nothing here touches CUDA until a ``CudaCapturer`` is made.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -112,21 +114,31 @@ class CudaCapturer(GraphCapturer):
             # ends the capture and only then restores the caller's stream, so when the end
             # fails (a call CUDA refused invalidated the capture) the caller is left on the
             # capture stream and every later capture fails ("a previous error during capture").
+            # The cyclic garbage collector stays off while capturing: a graph it destroys
+            # (another capture's, in a reference cycle) frees CUDA objects, a call CUDA
+            # refuses during a capture, which invalidates this capture (seen on an H100).
+            gc.collect()
             torch.cuda.synchronize(self.device)
             capture_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             capture_stream.wait_stream(torch.cuda.current_stream(self.device))
             failure: BaseException | None = None
-            with _capture_region(), torch.cuda.stream(capture_stream):
-                graph.capture_begin(pool=pool)
-                try:
-                    with _host_sync_guard(), _CheckingDispatchMode():
-                        out = fn()
-                except BaseException as err:
-                    failure = err
-                try:
-                    graph.capture_end()
-                except Exception as err:
-                    failure = failure or err
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with _capture_region(), torch.cuda.stream(capture_stream):
+                    graph.capture_begin(pool=pool)
+                    try:
+                        with _host_sync_guard(), _CheckingDispatchMode():
+                            out = fn()
+                    except BaseException as err:
+                        failure = err
+                    try:
+                        graph.capture_end()
+                    except Exception as err:
+                        failure = failure or err
+            finally:
+                if collecting:
+                    gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(capture_stream)
             if failure is not None:
                 try:
