@@ -50,6 +50,7 @@ from .capabilities import (
     HookGraphMode,
 )
 from .faults import FAULTS_KEY, FaultPlan
+from .groups import NULL_BLOCK_ID, GroupKind, KVCacheGroup, check_groups
 from .layout import (
     KVCacheLayout,
     KVPacking,
@@ -145,12 +146,14 @@ __all__ = [
     "ForwardPlan",
     "GraphMode",
     "GraphModeDecision",
+    "GroupKind",
     "HandshakeMetadata",
     "HookGraphMode",
     "HookPlacement",
     "InvalidArgumentError",
     "InvalidBlockIdError",
     "KVCacheEvent",
+    "KVCacheGroup",
     "KVCacheLayout",
     "KVConnectorOutput",
     "KVPacking",
@@ -162,6 +165,7 @@ __all__ = [
     "MalformedMetadataError",
     "MetadataBinding",
     "MetadataNotBoundError",
+    "NULL_BLOCK_ID",
     "MetadataSlot",
     "NewRequestView",
     "REQUEST_TRANSITIONS",
@@ -182,6 +186,7 @@ __all__ = [
     "WIRE_VERSION",
     "WorkerConnector",
     "WorkerMetadata",
+    "check_groups",
     "check_transition",
     "decode_json_envelope",
     "factory_spec",

@@ -11,7 +11,10 @@ import enum
 
 import attrs
 
+from collections.abc import Sequence
+
 from .errors import CapabilityError, InvalidArgumentError
+from .groups import GroupKind, KVCacheGroup, check_groups
 from .layout import KVPacking, StrideOrder
 from .negotiation import LayoutOffer
 
@@ -54,6 +57,22 @@ def _orders(value: object) -> tuple[StrideOrder, ...]:
     return tuple(out)
 
 
+def _group_kinds(value: object) -> frozenset[GroupKind]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (set, frozenset, tuple, list)):
+        raise InvalidArgumentError(
+            f"group_kinds must be a set of GroupKind or kind names, got {value!r}",
+            clause="KVG-002")
+    try:
+        kinds = frozenset(v if isinstance(v, GroupKind) else GroupKind(v) for v in value)
+    except (ValueError, TypeError):
+        raise InvalidArgumentError(
+            f"group_kinds must hold GroupKind values or names among "
+            f"{[k.value for k in GroupKind]}, got {value!r}", clause="KVG-002") from None
+    if not kinds:
+        raise InvalidArgumentError("group_kinds must name at least one kind", clause="KVG-002")
+    return kinds
+
+
 def _block_sizes(value: object) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or any(
             isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
@@ -78,6 +97,10 @@ class Capabilities:
         heterogeneous_tp: Producer and consumer may run different TP sizes.
         failure_reporting: How failed loads are reported.
         kv_cache_groups: Most KV-cache groups (hybrid models) the connector supports.
+        group_kinds: The kinds of KV-cache group it handles (KVG-002); full attention only
+            by default. An engine with a group of another kind, or with more groups than
+            ``kv_cache_groups``, must refuse the connector or run with one group
+            (``check_groups``).
         custom_aggregator: The connector supplies its own executor aggregator (EXE-012).
         handles_preemptions: The connector implements ``handle_preemptions`` (WRK-012).
         needs_token_rows: The connector addresses single tokens or channels inside a page
@@ -102,6 +125,8 @@ class Capabilities:
     heterogeneous_tp: bool = False
     failure_reporting: FailureReporting = FailureReporting.NEVER_FAILS
     kv_cache_groups: int = 1
+    group_kinds: frozenset[GroupKind] = attrs.field(
+        default=frozenset({GroupKind.FULL}), converter=_group_kinds)
     custom_aggregator: bool = False
     handles_preemptions: bool = False
     needs_token_rows: bool = False
@@ -138,6 +163,18 @@ class Capabilities:
                 clause="WRK-011",
             )
 
+    def check_groups(self, groups: Sequence[KVCacheGroup], connector: str = "the connector",
+                     ) -> None:
+        """Refuse an engine's KV-cache groups this declaration does not cover (KVG-002):
+        ``check_groups(groups, self.group_kinds, self.kv_cache_groups)``.
+
+        Raises:
+            CapabilityError: a group of a kind not in ``group_kinds``, named, or more groups
+                than ``kv_cache_groups``.
+            InvalidArgumentError: ``groups`` malformed (KVG-001).
+        """
+        check_groups(groups, self.group_kinds, self.kv_cache_groups, connector=connector)
+
     @property
     def has_layer_hooks(self) -> bool:
         """True if the engine calls ``wait_for_layer_load`` and ``save_kv_layer``."""
@@ -159,7 +196,9 @@ class Capabilities:
         out: dict[str, object] = {}
         for f in attrs.fields(Capabilities):
             v = getattr(self, f.name)
-            if isinstance(v, tuple):
+            if isinstance(v, frozenset):
+                out[f.name] = sorted(x.value for x in v)
+            elif isinstance(v, tuple):
                 out[f.name] = [x.value if isinstance(x, enum.Enum) else x for x in v]
             else:
                 out[f.name] = v.value if isinstance(v, enum.Enum) else v

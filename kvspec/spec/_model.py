@@ -9,7 +9,7 @@ import attrs
 
 __all__ = ["Area", "Clause", "Level"]
 
-_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|DRY|GRA|HSK|ERR)-(\d{3})$")
+_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|DRY|GRA|HSK|ERR)-(\d{3})$")
 
 
 class Level(enum.Enum):
@@ -28,6 +28,7 @@ class Area(enum.Enum):
     EXE = "Executor role and aggregation"
     EVT = "Events and connector output"
     LAY = "KV-cache layout"
+    KVG = "KV-cache groups"
     DRY = "Dummy runs"
     GRA = "Graph capture and replay"
     HSK = "Handshake"

@@ -194,6 +194,7 @@ def test_describe_defaults() -> None:
         "heterogeneous_tp": False,
         "failure_reporting": "never_fails",
         "kv_cache_groups": 1,
+        "group_kinds": ["full"],
         "custom_aggregator": False,
         "handles_preemptions": False,
         "needs_token_rows": False,

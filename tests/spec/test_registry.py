@@ -15,7 +15,7 @@ from kvspec.spec._render import render_area, sync_docs
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "docs" / "spec"
 HEADING = re.compile(r"^### ([A-Z]{3}-\d{3}): (.+?) \{ #([a-z]{3}-\d{3}) \}$", re.M)
-CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|DRY|GRA|HSK|ERR)-(\d{3})\b")
+CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|DRY|GRA|HSK|ERR)-(\d{3})\b")
 
 
 def _doc_clauses() -> dict[str, tuple[Path, str]]:
@@ -76,6 +76,9 @@ def test_clause_ids_cited_in_the_code_exist() -> None:
 
 PENDING_MUST: dict[str, str] = {
     # Clauses no test or harness check covers yet; listed in docs/spec/index.md too.
+    "KVG-004": "the harness has one KV-cache group: no null block positions to skip",
+    "KVG-005": "needs the hybrid harness (several groups); one group reports block ids",
+    "KVG-006": "needs the hybrid harness and request_finished_all_groups in the adapter",
 }
 
 
