@@ -43,6 +43,7 @@ from kvspec.protocols import (
     WorkerConnector,
 )
 
+from ._groups import groups_of
 from ._layout import describe_kv_caches, required_layout_name
 from ._releases import RELEASES, release
 from ._settings import engine_config_view, factory_from_extra
@@ -118,6 +119,9 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._caps = self._factory.capabilities
         self._config = engine_config_view(vllm_config, kv_cache_config)
         self._groups = max(1, len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()))
+        if self._groups > 1:  # vLLM's hybrid allocator is on: refuse groups by name (KVG-002)
+            self._caps.check_groups(groups_of(kv_cache_config),
+                                    connector=f"connector {self._factory.name!r}")
         self._clock = _Clock()
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None

@@ -123,3 +123,23 @@ def offload_scheduler_stats(llm: Any) -> dict[str, int]:
         if scheduler is not None and hasattr(scheduler, "stats"):
             return dict(scheduler.stats())
     raise RuntimeError("no offload scheduler role in this process")
+
+
+def kv_cache_groups(llm: Any) -> dict[str, Any]:
+    """The engine core's KV-cache groups (vLLM's specs and kvspec's translation), the
+    blocks the KV cache holds and how many requests of the engine's ``max_model_len`` fit
+    at once (vLLM's own count, ``get_max_concurrency_for_kv_cache_config``)."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    from kvspec.vllm._groups import groups_of
+
+    core = llm.llm_engine.engine_core.engine_core
+    config = core.scheduler.kv_cache_config
+    return {
+        "groups": [{"spec": type(g.kv_cache_spec).__name__, "layers": list(g.layer_names)}
+                   for g in config.kv_cache_groups],
+        "kvspec": [{"kind": g.kind.value, "block_size": g.block_size, "window": g.window,
+                    "layers": list(g.layer_names)} for g in groups_of(config)],
+        "num_blocks": config.num_blocks,
+        "max_concurrency": get_max_concurrency_for_kv_cache_config(core.vllm_config, config),
+    }

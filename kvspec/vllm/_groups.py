@@ -1,0 +1,63 @@
+"""vLLM's KV-cache groups as kvspec's ``KVCacheGroup`` descriptors (KVG-001).
+
+vLLM 0.32 describes each group with a ``KVCacheGroupSpec``: its layer names and one
+``KVCacheSpec`` whose class says what the layers attend to. The classes are matched by
+their names along the spec's MRO (``MLAAttentionSpec`` is a ``FullAttentionSpec``,
+``SlidingWindowMLASpec`` a ``SlidingWindowSpec``), so this module needs no vLLM import.
+A group kvspec has no kind for (cross attention, encoder-only, the sparse-attention
+tiers) or one vLLM keeps out of transfers (``enable_kv_transfer=False``) is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvspec.protocols import CapabilityError, GroupKind, KVCacheGroup
+
+__all__ = ["groups_of"]
+
+_KINDS = {
+    "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
+    "ChunkedLocalAttentionSpec": GroupKind.CHUNKED_LOCAL,
+    "MambaSpec": GroupKind.STATE,
+    "FullAttentionSpec": GroupKind.FULL,
+}
+"""vLLM spec class (or a base of it) -> kind; the first match along the MRO wins."""
+
+
+def _kind(spec: Any) -> GroupKind | None:
+    for cls in type(spec).__mro__:
+        if cls.__name__ in ("EncoderOnlyAttentionSpec", "CrossAttentionSpec"):
+            return None
+        if cls.__name__ in _KINDS:
+            return _KINDS[cls.__name__]
+    return None
+
+
+def groups_of(kv_cache_config: Any) -> tuple[KVCacheGroup, ...]:
+    """The engine's KV-cache groups, in vLLM's group order (KVG-001).
+
+    Raises:
+        CapabilityError: a group of a kind kvspec does not describe, or one vLLM excludes
+            from KV transfer, named by index, spec class and first layer.
+    """
+    out = []
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ()):
+        spec = group.kv_cache_spec
+        kind = _kind(spec)
+        name = type(spec).__name__
+        layers = tuple(group.layer_names)
+        where = f"vLLM KV-cache group {index} ({name}, layers {layers[:1]}...)"
+        if kind is None:
+            raise CapabilityError(f"{where} is of a kind kvspec does not describe; expected "
+                                  "full, sliding-window or chunked-local attention or a "
+                                  "state (Mamba) group", clause="KVG-001")
+        if not getattr(group, "enable_kv_transfer", True) or getattr(group, "host_resident",
+                                                                      False):
+            raise CapabilityError(f"{where} is excluded from KV transfer or host-resident in "
+                                  "vLLM; kvspec connectors move every group", clause="KVG-002")
+        window = (spec.sliding_window if kind is GroupKind.SLIDING_WINDOW
+                  else spec.attention_chunk_size if kind is GroupKind.CHUNKED_LOCAL else None)
+        out.append(KVCacheGroup(kind, int(spec.block_size), layers,
+                                int(window) if window is not None else None))
+    return tuple(out)
