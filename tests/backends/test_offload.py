@@ -636,25 +636,32 @@ def test_failed_loads_end_as_failed_recv_with_invalid_blocks() -> None:
 
 
 def test_a_queued_load_is_reported_in_the_step_that_asks() -> None:
-    """With its background thread busy (or waiting for the GIL), the worker runs a queued
-    host-memory load itself in get_finished, byte-exact, and reports it in that call: a
-    hit costs no extra engine steps (found by kvspec bench vllm)."""
+    """With its background thread busy for a moment (or waiting for the GIL), get_finished
+    waits for a queued host-memory load, bounded, and reports it in that call, byte-exact:
+    a hit costs no extra engine steps (found by kvspec bench vllm). The copy itself runs on
+    the background thread, never the engine's (a hung copy: test_offload_faults.py)."""
     worker, layout, layers = _registered(offload_slots=4)
-    release = threading.Event()
     try:
         _run(worker, OffloadMetadata(stores=(TransferJob.of("s", ((1, 0, 1),), False),)))
         _wait_finished(worker, "s", recv=False)
         want = _block_bytes(layout, layers, 1)
         assert worker._executor is not None
-        busy = worker._executor.submit(release.wait, 10)  # the thread is taken
+        copied_on: list[str] = []
+        original = worker.pool.load  # type: ignore[union-attr]
+
+        def load(plan: Any) -> None:
+            copied_on.append(threading.current_thread().name)
+            original(plan)
+
+        worker.pool.load = load  # type: ignore[union-attr, method-assign]
+        busy = worker._executor.submit(time.sleep, 0.01)  # the thread is taken
         _run(worker, OffloadMetadata(loads=(TransferJob.of("l", ((6, 0, 1),), True),)))
         assert worker.get_finished(frozenset()) == (frozenset(), frozenset({"l"}))
         assert worker.get_failed_recving() == frozenset()
         assert _block_bytes(layout, layers, 6) == want
-        release.set()
+        assert copied_on and threading.current_thread().name not in copied_on
         busy.result(timeout=10)
     finally:
-        release.set()
         worker.shutdown()
 
 

@@ -197,8 +197,7 @@ def test_the_engine_recomputes_and_everything_is_released(
     extra: dict[str, Any] = {"offload_slots": 64, "io_timeout_s": DEADLINE_S}
     if fault == "load-faults":
         extra["load_fault_rate"] = 1.0
-    else:  # a device-like load: only the background thread copies it (the engine's thread
-        # takes over queued host-memory loads, which cannot hang on a device)
+    else:  # a slow device-like load; the copy runs on the background thread either way
         extra["load_delay_s"] = 0.01
     config = HarnessConfig(prefix_caching=False, extra=extra)
     prompts = [tuple(range(i * 100, i * 100 + 13 + i)) for i in range(4)]
@@ -223,3 +222,51 @@ def test_the_engine_recomputes_and_everything_is_released(
     assert not _offload_threads()
     assert worker.pool is None
     assert _fds() == fds
+
+
+def test_a_hung_host_copy_in_engine_order_blocks_no_hook(
+    hang: _Hang, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 34: in an engine's hook order (start the load, then the output hooks at once,
+    before the background thread has looked at it) a host-memory load whose copy hangs
+    holds no hook past its deadline: the engine's thread never runs the copy itself, the
+    load is reported failed with its block invalid, and shutdown is bounded."""
+    from kvspec.protocols import ForwardContextView, ForwardKind
+
+    worker = _worker(offload_slots=4, io_timeout_s=DEADLINE_S)
+    _step(worker, OffloadMetadata(stores=(TransferJob.of("s", ((1, 0, 11),), False),)))
+    _until(worker, "s", recv=False)
+    hang.arm("load")
+    release = threading.Timer(DEADLINE_S + 5, hang.release, ("load",))
+    release.start()
+    try:
+        worker.bind_connector_metadata(
+            OffloadMetadata(loads=(TransferJob.of("l", ((2, 0, 11),), True),)))
+        worker.start_load_kv(ForwardContextView(ForwardKind.REAL, 7, 1, ("l0", "l1")))
+        worker.wait_for_save()
+        start = time.monotonic()
+        out = worker.build_connector_output(frozenset())
+        first = time.monotonic() - start
+        worker.clear_connector_metadata()
+        assert first < 0.2, f"the first output hook took {first:.2f} s"
+        recving = set(out.finished_recving)
+        failed = set(out.failed_recving)
+        invalid = set(out.invalid_block_ids)
+        limit = time.monotonic() + DEADLINE_S + 2
+        while "l" not in recving and time.monotonic() < limit:
+            time.sleep(0.01)
+            t0 = time.monotonic()
+            out = worker.build_connector_output(frozenset())
+            assert time.monotonic() - t0 < 0.2
+            recving |= out.finished_recving
+            failed |= out.failed_recving
+            invalid |= out.invalid_block_ids
+        assert "l" in recving and failed == {"l"} and invalid == {2}
+        assert time.monotonic() - start < DEADLINE_S + 0.2 + 0.05  # reported at the deadline
+        with caplog.at_level(logging.ERROR, logger="kvspec.backends.offload._worker"):
+            t0 = time.monotonic()
+            worker.shutdown()
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        release.cancel()
+        hang.release("load")

@@ -66,6 +66,9 @@ _LOCK_TIMEOUT_S = 5.0
 _SHUTDOWN_WAIT_S = 5.0
 """At most this long ``shutdown`` waits for a copy that is running and not yet past its
 deadline; a copy past it is not waited for at all."""
+_HELP_WAIT_S = 0.05
+"""The longest one ``get_finished`` waits, over all loads, for host-memory copies running
+on the background thread, so that small loads are reported in the step they ran in."""
 
 
 class _Job:
@@ -546,24 +549,22 @@ class OffloadWorker(WorkerConnector):
                          "load" if j.job.is_load else "store", j.job.request_id)
             self._stuck.append(j)
 
-    def _help(self, j: _Job) -> None:
-        """Run a host-memory load that the background thread has not started yet here,
-        now. On CPU the background thread waits for the GIL while the engine's thread runs
-        Python (up to the 5 ms switch interval, per wait), so a load it would finish in
-        microseconds is reported steps later; taking it over reports it in this step. A
-        load already running is left to the thread."""
-        future, tags = j.future, self._slot_tags
+    def _help(self, j: _Job, until: float) -> None:
+        """Let a host-memory load finish in this step: wait for its copy on the background
+        thread until ``until`` or the load's deadline, whichever comes first. On CPU the
+        background thread waits for the GIL while the engine's thread runs Python (up to
+        the 5 ms switch interval, per wait), so a load it would finish in microseconds is
+        reported steps later; waiting here releases the GIL to it. The copy never runs on
+        the engine's thread: host memory can be a file mapping, a device or a page being
+        swapped, and a copy that hangs must hold no hook past the load's deadline
+        (WRK-014, issue 34)."""
+        future = j.future
         if (self._stream is not None or self._settings.load_delay_s or self._faults.delay_s
-                or future is None
-                or not all(s >= 0 and tags[s] == t for s, t in zip(j.job.slots, j.job.tags))
-                or not future.cancel()):
-            return  # a load of a store still queued ahead of it stays behind it (SCH-031)
-        done: concurrent.futures.Future[tuple[int, ...]] = concurrent.futures.Future()
-        try:
-            done.set_result(self._run(j, None))
-        except Exception as e:  # reported as a failed load by _outcome (WRK-011)
-            done.set_exception(e)
-        j.future = done
+                or future is None or future.done()):
+            return
+        timeout = min(until, j.deadline) - time.monotonic()
+        if timeout > 0:
+            concurrent.futures.wait((future,), timeout=timeout)
 
     def _outcome(self, j: _Job, now: float) -> tuple[int, ...] | None:
         """None while ``j`` runs; else the block ids that failed (all on a timeout)."""
@@ -593,9 +594,10 @@ class OffloadWorker(WorkerConnector):
         recving: set[str] = set()
         failed: set[str] = set()
         invalid: set[int] = set()
+        until = now + _HELP_WAIT_S
         for rid, j in list(self._loads.items()):
-            self._help(j)
-            bad = self._outcome(j, now)
+            self._help(j, until)
+            bad = self._outcome(j, time.monotonic())
             if bad is None:
                 continue
             del self._loads[rid]
