@@ -35,7 +35,7 @@ import logging
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import attrs
@@ -680,13 +680,27 @@ class NixlEndpoint:
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sender agent name."""
+        return self.take_notifications()[0]
+
+    def take_notifications(
+        self, ignore: Collection[str] = ()
+    ) -> tuple[dict[str, list[bytes]], dict[str, int]]:
+        """Notifications received since the last call, by sender agent name, and how many
+        each agent in ``ignore`` sent (not copied out: a flooding peer costs a count)."""
         with self._lock:
             self._check_open()
             got = self._agent.get_new_notifs()
-            return {
-                (k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v]
-                for k, v in got.items()
-            }
+        out: dict[str, list[bytes]] = {}
+        ignored: dict[str, int] = {}
+        for k, v in got.items():
+            name = k.decode() if isinstance(k, bytes) else str(k)
+            if name in ignore:
+                ignored[name] = ignored.get(name, 0) + len(v)
+            elif isinstance(v, list) and (not v or type(v[0]) is bytes):
+                out[name] = v  # NIXL's own list of bytes: no per-message copy
+            else:
+                out[name] = [bytes(m) for m in v]
+        return out, ignored
 
     def send_notification(self, peer: str, message: bytes) -> bool:
         """Send a standalone notification to ``peer`` (for example "free these blocks,

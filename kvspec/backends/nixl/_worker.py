@@ -84,6 +84,7 @@ class _Notes:
     got: int
     expected: int
     first_seen: float
+    peer: str = ""  # the agent whose early notification created the entry, if early
 
 
 def _notification(load: NixlLoad, readers: int) -> bytes:
@@ -92,8 +93,13 @@ def _notification(load: NixlLoad, readers: int) -> bytes:
 
 _MAX_READERS = 1 << 16
 _MAX_EARLY_NOTES = 1 << 16
-"""Notifications kept for requests this rank has not handed off (yet): beyond this many,
-a peer is flooding and further ones are dropped."""
+"""Notifications kept for requests this rank has not handed off (yet), over all peers:
+beyond this many, further ones are dropped."""
+_PEER_BUDGET = 256
+"""Per peer: the most notifications kept for requests this rank has not handed off, and
+the most malformed, spoofed or unknown ones in one ``get_finished``. A genuine consumer
+sends one per hand-off it read; a peer past either is flooding and is cut off: everything
+it sends afterwards is counted, never parsed or kept (issue 34)."""
 
 
 def _parse_notification(message: bytes) -> tuple[str, str, int] | None:
@@ -148,6 +154,8 @@ class NixlWorker(WorkerConnector):
         # producer: (request, secret) -> notifications got, expected, first seen; a
         # notification may arrive before the step that names the request in ``sends``.
         self._notes: dict[tuple[str, str], _Notes] = {}
+        self._early: dict[str, int] = {}  # peer -> entries of ``_notes`` it created early
+        self._cut_off: set[str] = set()  # flooding peers, ignored from then on
         self._failed: frozenset[str] = frozenset()
         self._invalid: frozenset[int] = frozenset()
         self._counters: dict[str, int] = {}
@@ -383,27 +391,13 @@ class NixlWorker(WorkerConnector):
         self._failed_early.clear()
         now = time.monotonic()
         if endpoint is not None and not endpoint.closed:
-            dropped: list[tuple[str, bytes]] = []
-            for peer, messages in endpoint.notifications().items():
-                for message in messages:
-                    parsed = _parse_notification(message)
-                    sent = None if parsed is None else self._sends.get(parsed[0])
-                    if parsed is None or (
-                        sent is not None and sent[1] != parsed[1]  # not the secret
-                    ) or (sent is None and parsed[:2] not in self._notes
-                          and len(self._notes) >= _MAX_EARLY_NOTES):
-                        # A peer's garbage, a spoofed notification (or a flood) is dropped
-                        # and counted; the other notifications of the batch still count.
-                        dropped.append((peer, message[:80]))
-                        continue
-                    rid, secret, expected = parsed
-                    note = self._notes.setdefault((rid, secret), _Notes(0, expected, now))
-                    note.got += 1
-                    note.expected = max(note.expected, expected)
+            dropped = self._take_notifications(endpoint, now)
             if dropped:  # one line per call, however many: a flood must not flood the log
-                self._count(bad_notifications=len(dropped))
+                self._count(bad_notifications=sum(n for _, n, _ in dropped))
+                peer, n, first = dropped[0]
                 _log.warning("rank %d: dropped %d malformed, spoofed or excess notifications, the "
-                             "first from %s: %r", self._rank, len(dropped), *dropped[0])
+                             "first from %s: %r", self._rank, sum(n for _, n, _ in dropped),
+                             peer, first)
             for rid, entry in list(self._reads.items()):
                 states = [endpoint.poll(t) for t in entry.transfers]
                 if TransferState.IN_PROGRESS in states or now < entry.not_before:
@@ -429,21 +423,83 @@ class NixlWorker(WorkerConnector):
         for rid, (deadline, secret) in list(self._sends.items()):
             notes = self._notes.get((rid, secret))
             if notes is not None and notes.got >= notes.expected:
-                del self._sends[rid], self._notes[rid, secret]
+                del self._sends[rid]
+                self._drop_note((rid, secret))
                 sending.add(rid)
             elif now >= deadline:
                 _log.warning("rank %d: not every consumer rank read request %s within "
                              "%.0f s; freeing", self._rank, rid, self._settings.free_timeout_s)
                 del self._sends[rid]
-                self._notes.pop((rid, secret), None)
+                self._drop_note((rid, secret))
                 sending.add(rid)
         for key, notes in list(self._notes.items()):  # early ones nobody claimed (or spoofed)
             if (self._sends.get(key[0], (0.0, ""))[1] != key[1]
                     and now - notes.first_seen > self._settings.free_timeout_s):
-                del self._notes[key]
+                self._drop_note(key)
         self._failed = frozenset(failed)
         self._invalid = frozenset(invalid)
         return frozenset(sending), frozenset(recving)
+
+    def _take_notifications(self, endpoint: NixlEndpoint, now: float
+                            ) -> list[tuple[str, int, bytes]]:
+        """Count this call's notifications towards their hand-offs, per peer within
+        ``_PEER_BUDGET``; return what was dropped, ``(peer, count, first message)``. A peer
+        that exceeds its budget is cut off (counted, logged once by name); the others'
+        notifications count as without it."""
+        batches, ignored = endpoint.take_notifications(self._cut_off)
+        dropped = [(peer, n, b"(a peer cut off before)") for peer, n in ignored.items()]
+        for peer, messages in batches.items():
+            bad = 0
+            first = b""
+            for i, message in enumerate(messages):
+                parsed = _parse_notification(message)
+                sent = None if parsed is None else self._sends.get(parsed[0])
+                early = parsed is not None and sent is None and parsed[:2] not in self._notes
+                if parsed is None or (sent is not None and sent[1] != parsed[1]) or (
+                        early and len(self._notes) >= _MAX_EARLY_NOTES):
+                    bad += 1  # garbage, a wrong secret, or no room: dropped and counted
+                    first = first or message[:80]
+                elif early and self._early.get(peer, 0) >= _PEER_BUDGET:
+                    bad += 1
+                    first = first or message[:80]
+                else:
+                    assert parsed is not None
+                    rid, secret, expected = parsed
+                    note = self._notes.get((rid, secret))
+                    if note is None:
+                        note = self._notes[rid, secret] = _Notes(
+                            0, expected, now, peer if early else "")
+                        if early:
+                            self._early[peer] = self._early.get(peer, 0) + 1
+                    note.got += 1
+                    note.expected = max(note.expected, expected)
+                if bad >= _PEER_BUDGET or self._early.get(peer, 0) >= _PEER_BUDGET and bad:
+                    rest = len(messages) - i - 1
+                    self._cut(peer, bad + rest)
+                    bad += rest
+                    break
+            if bad:
+                dropped.append((peer, bad, first))
+        return dropped
+
+    def _cut(self, peer: str, count: int) -> None:
+        """Cut a flooding peer off: its early entries go, its later notifications are
+        counted and never parsed."""
+        self._cut_off.add(peer)
+        for key, note in list(self._notes.items()):
+            if note.peer == peer and self._sends.get(key[0], (0.0, ""))[1] != key[1]:
+                self._drop_note(key)
+        self._count(peers_cut_off=1)
+        _log.warning("rank %d: cut off peer %s: %d notifications for hand-offs this rank did "
+                     "not make, malformed or spoofed, past its budget of %d; everything it "
+                     "sends from now on is dropped", self._rank, peer, count, _PEER_BUDGET)
+
+    def _drop_note(self, key: tuple[str, str]) -> None:
+        note = self._notes.pop(key, None)
+        if note is not None and note.peer and note.peer in self._early:
+            self._early[note.peer] -= 1
+            if not self._early[note.peer]:
+                del self._early[note.peer]
 
     def get_failed_recving(self) -> frozenset[str]:
         """The READs of the last ``get_finished`` that failed (WRK-011)."""
@@ -460,9 +516,9 @@ class NixlWorker(WorkerConnector):
             self._counters[name] = self._counters.get(name, 0) + n
 
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
-        """``blocks_loaded``, ``bytes_loaded``, ``load_failures`` and
-        ``bad_notifications`` (dropped malformed or excess notifications) since the last
-        call, or None (EVT-006)."""
+        """``blocks_loaded``, ``bytes_loaded``, ``load_failures``, ``bad_notifications``
+        (dropped malformed, spoofed or excess notifications) and ``peers_cut_off``
+        (flooding peers, issue 34) since the last call, or None (EVT-006)."""
         counters, self._counters = self._counters, {}
         return ConnectorStats(counters) if any(counters.values()) else None
 
@@ -482,5 +538,7 @@ class NixlWorker(WorkerConnector):
         self._reads.clear()
         self._sends.clear()
         self._notes.clear()
+        self._early.clear()
+        self._cut_off.clear()
         self._sources.clear()
         self._slot.clear()

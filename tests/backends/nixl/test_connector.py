@@ -588,3 +588,82 @@ def test_hand_off_parameters_carry_a_fresh_secret_the_consumer_needs() -> None:
     missing = {k: v for k, v in params.items() if k != "secret"}
     with pytest.raises(MalformedMetadataError):
         decode.get_num_new_matched_tokens(_request("d", 8, kv_transfer_params=missing), 0)
+
+
+def _early_free(producer: NixlWorker, consumer: NixlWorker, engine: str, rid: str,
+                secret: str, calls: list[float]) -> int:
+    """The consumer reads hand-off ``rid`` before the producer's step names it (the early
+    path); then that step. How many of the producer's get_finished calls after it report
+    ``rid`` freed (1: at once). Each producer call's duration goes to ``calls``."""
+    def finished() -> frozenset[str]:
+        t0 = time.monotonic()
+        sending, _ = producer.get_finished(frozenset())
+        calls.append(time.monotonic() - t0)
+        return sending
+
+    _step(consumer, NixlMetadata(loads=(NixlLoad("d" + rid, engine, (1,), (2,), rid, secret),),
+                                 peers={engine: _rank_peers([producer])}))
+    deadline = time.monotonic() + 10
+    done = False
+    while time.monotonic() < deadline and not done:
+        _, recving = consumer.get_finished(frozenset())
+        done = "d" + rid in recving
+        assert not finished()
+    for _ in range(20):  # the notification's way to the producer, still before its step
+        consumer.get_finished(frozenset())
+        assert not finished()
+        time.sleep(0.005)
+    _step(producer, NixlMetadata(sends={rid: secret}))
+    for n in range(1, 200):
+        if rid in finished():
+            return n
+        consumer.get_finished(frozenset())
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} was not freed")
+
+
+def test_a_notification_flood_delays_no_free_and_cuts_the_peer_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 34: 65,536 well-formed spoofed early notifications from one agent filled the
+    producer's early-notification table (a genuine early notification was then dropped and
+    its blocks freed only at nixl_free_timeout_s) and made get_finished take over a second.
+    Per-peer budgets keep the genuine peer's notification (freed in the first call after
+    its step, as without the flood) and bound the parsing; the flooding peer is cut off,
+    counted and named in one log line."""
+    engine = f"prefill-{next(_ids)}"
+    producer, _, _ = _producer(engine, 140)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 150)
+    spoofer, _, _ = _ranks(TransferRole.CONSUMER, "mallory", 1, StrideOrder.BLNHC, 160)
+    try:
+        quiet: list[float] = []
+        assert _early_free(producer, consumers[0], engine, "p1", S, quiet) == 1
+        _step(spoofer[0], NixlMetadata(loads=(NixlLoad("m", engine, (), (), "x", S),),
+                                       peers={engine: _rank_peers([producer])}))
+        endpoint = spoofer[0].endpoint
+        assert endpoint is not None and endpoint.peers
+        target = endpoint.peers[0]
+        rng = np.random.default_rng(0)
+        for i in range(65_536):
+            secret = rng.bytes(16).hex()
+            assert endpoint.send_notification(target, f"{secret}|1|flood-{i}".encode())
+        flood: list[float] = []
+        with caplog.at_level(logging.WARNING, logger="kvspec.backends.nixl._worker"):
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:  # the spoofer's agent delivers while polled
+                spoofer[0].get_finished(frozenset())
+                t0 = time.monotonic()
+                producer.get_finished(frozenset())
+                flood.append(time.monotonic() - t0)
+            assert _early_free(producer, consumers[0], engine, "p2", "6f" * 16, flood) == 1
+        # the parsing is bounded per peer; what is left is NIXL's own get_new_notifs of the
+        # batch (40-70 ms for 65,536 messages on 2 cores), 1.27 s before the budgets
+        assert max(flood) < max(quiet) + 0.25, (max(flood), max(quiet))
+        stats = producer.get_kv_connector_stats()
+        assert stats is not None
+        assert stats.counters["peers_cut_off"] == 1  # type: ignore[attr-defined]
+        assert stats.counters["bad_notifications"] >= 65_536 - 256  # type: ignore[attr-defined]
+        cut = [r.getMessage() for r in caplog.records if "cut off peer" in r.getMessage()]
+        assert len(cut) == 1 and spoofer[0].endpoint.name in cut[0]  # type: ignore[union-attr]
+    finally:
+        _shutdown(consumers + spoofer, [producer])
