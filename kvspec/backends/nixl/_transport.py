@@ -690,6 +690,10 @@ class NixlEndpoint:
         with self._lock:
             self._check_open()
             got = self._agent.get_new_notifs()
+            stash = getattr(self._agent, "notifs", None)  # what ``progress`` took in
+            if stash:
+                self._agent.notifs = {}
+                got = {k: [*stash.get(k, ()), *got.get(k, ())] for k in {*stash, *got}}
         out: dict[str, list[bytes]] = {}
         ignored: dict[str, int] = {}
         for k, v in got.items():
@@ -701,6 +705,14 @@ class NixlEndpoint:
             else:
                 out[name] = [bytes(m) for m in v]
         return out, ignored
+
+    def progress(self) -> None:
+        """Let NIXL make progress on this agent's pending sends and receives (connection
+        set-up, a notification still queued). Notifications it receives meanwhile wait in
+        the agent for the next ``take_notifications``. Nothing once closed."""
+        with self._lock:
+            if not self._closed:
+                self._agent.update_notifs()
 
     def send_notification(self, peer: str, message: bytes) -> bool:
         """Send a standalone notification to ``peer`` (for example "free these blocks,

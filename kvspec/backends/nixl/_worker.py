@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 
@@ -122,6 +123,53 @@ def _parse_notification(message: bytes) -> tuple[str, str, int] | None:
     return (rid, secret, n) if 1 <= n <= _MAX_READERS else None
 
 
+class _Poller:
+    """Progresses a consumer rank's NIXL agent for ``window_s`` after it last sent
+    something (a notification, a READ that ends with one), every ``period_s``, then sleeps
+    until the next send. A consumer runs no NIXL progress thread (it busy-polls a core),
+    so its sends move only while it polls: an engine that goes idle after its last
+    hand-off would leave the producer holding the blocks until ``free_timeout_s``
+    (issue 34). Its thread starts at the first send and ends at ``close``."""
+
+    def __init__(self, endpoint: NixlEndpoint, name: str, window_s: float = 2.0,
+                 period_s: float = 0.002) -> None:
+        self._endpoint = endpoint
+        self._name = name
+        self._window_s = window_s
+        self._period_s = period_s
+        self._until = 0.0
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def kick(self) -> None:
+        """Progress the agent for the next ``window_s``."""
+        self._until = time.monotonic() + self._window_s
+        if self._thread is None and not self._closing:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closing:
+            if time.monotonic() < self._until:
+                try:
+                    self._endpoint.progress()
+                except Exception:  # noqa: BLE001 (the endpoint closed under it: stop)
+                    return
+                self._wake.wait(self._period_s)
+            else:
+                self._wake.wait(self._window_s)
+            self._wake.clear()
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread (bounded: it is never inside a long call)."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
 class NixlWorker(WorkerConnector):
     """Worker role of the NIXL backend (one per rank). See the module docstring.
 
@@ -159,6 +207,7 @@ class NixlWorker(WorkerConnector):
         self._failed: frozenset[str] = frozenset()
         self._invalid: frozenset[int] = frozenset()
         self._counters: dict[str, int] = {}
+        self._poller: _Poller | None = None  # consumers: sends move while the engine idles
         self._closed = False
 
     # -- registration -------------------------------------------------------------------
@@ -193,6 +242,8 @@ class NixlWorker(WorkerConnector):
             spec_version=SPEC_VERSION,
             progress_thread=self._config.role is not TransferRole.CONSUMER,
         )
+        if self._config.role is TransferRole.CONSUMER:
+            self._poller = _Poller(self.endpoint, f"kvspec-nixl-progress-rank{self._rank}")
 
     def get_handshake_metadata(self) -> HandshakeMetadata | None:
         """The rank's ``PeerInfo`` (NIXL agent metadata, region, block geometry) as
@@ -326,6 +377,8 @@ class NixlWorker(WorkerConnector):
             )
         for load in meta.loads:
             self._read(endpoint, load)
+        if self._poller is not None:
+            self._poller.kick()
 
     def _read(self, endpoint: NixlEndpoint, load: NixlLoad) -> None:
         try:
@@ -533,6 +586,8 @@ class NixlWorker(WorkerConnector):
         if self._closed:
             return
         self._closed = True
+        if self._poller is not None:
+            self._poller.close()
         if self.endpoint is not None:
             self.endpoint.close()
         self._reads.clear()

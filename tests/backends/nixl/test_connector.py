@@ -667,3 +667,30 @@ def test_a_notification_flood_delays_no_free_and_cuts_the_peer_off(
         assert len(cut) == 1 and spoofer[0].endpoint.name in cut[0]  # type: ignore[union-attr]
     finally:
         _shutdown(consumers + spoofer, [producer])
+
+
+@pytest.mark.parametrize("blocks", [(), (1,)], ids=["nothing-to-read", "one-block"])
+def test_an_idle_consumer_still_lets_the_producer_free(blocks: tuple[int, ...]) -> None:
+    """Issue 34: a consumer whose engine goes idle right after its last hand-off (no more
+    steps, so no more polls of its agent) must not leave the producer holding the blocks
+    until nixl_free_timeout_s: the producer frees them within 1 s."""
+    engine = f"prefill-{next(_ids)}"
+    producer, _, _ = _producer(engine, 170)
+    consumers, _, _ = _ranks(TransferRole.CONSUMER, "decode", 1, StrideOrder.BLNHC, 180)
+    try:
+        _step(producer, NixlMetadata(sends={"p": S}))
+        _step(consumers[0], NixlMetadata(
+            loads=(NixlLoad("d", engine, blocks, tuple(b + 1 for b in blocks), "p", S),),
+            peers={engine: _rank_peers([producer])}))
+        if blocks:  # the engine steps until the load is reported, then goes idle
+            _until(consumers[0], "d", recv=True)
+        start = time.monotonic()
+        freed = False
+        while not freed and time.monotonic() - start < 3:
+            freed = "p" in producer.get_finished(frozenset())[0]
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+        print(f"freed after {elapsed * 1000:.0f} ms with the consumer idle")
+        assert freed and elapsed < 1.0, elapsed
+    finally:
+        _shutdown(consumers, [producer])

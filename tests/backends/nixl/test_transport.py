@@ -702,3 +702,16 @@ def test_a_peer_claiming_millions_of_blocks_is_refused_before_allocating(pair: P
         consumer.add_peer(info)  # an honest peer still works
     finally:
         consumer.close()
+
+
+def test_progress_keeps_the_notifications_it_takes_in(pair: Pair) -> None:
+    """Issue 34: ``progress`` (a consumer's poller) moves NIXL along; the notifications
+    that arrive meanwhile are still returned by the next ``notifications``, once."""
+    assert pair.consumer.send_notification(pair.peer, b"hello")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not pair.producer._agent.notifs:  # type: ignore[attr-defined]
+        pair.consumer.progress()
+        pair.producer.progress()  # takes it in and keeps it
+        time.sleep(0.005)
+    assert pair.producer.notifications() == {pair.consumer.name: [b"hello"]}
+    assert pair.producer.notifications() == {}
