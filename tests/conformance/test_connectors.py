@@ -10,6 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -131,6 +134,14 @@ def mark_stored(tmp_path: Path, request: RequestView, n: int, *, skip: Iterable[
     for i in range(n):
         if i not in set(skip):
             Path(marker_path(str(tmp_path), request.block_hashes[i].hex())).write_bytes(b"x")
+
+
+def worker_wrote(directory: Path, meta: Any, ranks: int = 1) -> None:
+    """Stand in for the workers: write the block files of every save in ``meta``."""
+    for save in meta.saves:
+        for _, key in save.blocks:
+            for rank in range(ranks):
+                Path(block_path(str(directory), key, rank)).write_bytes(b"x")
 
 
 def sched_output(step: int = 0) -> SchedulerOutputView:
@@ -453,6 +464,7 @@ def test_finish_saves_computed_blocks_and_marks_them(tmp_path: Path) -> None:
     assert list(sched.take_events()) == []
     for key in keys_of(req, 1, 2):
         assert not os.path.exists(marker_path(str(tmp_path), key))
+        Path(block_path(str(tmp_path), key, 0)).write_bytes(b"x")  # the worker wrote them
     sched.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
     for key in keys_of(req, 1, 2):
         assert os.path.exists(marker_path(str(tmp_path), key))
@@ -476,6 +488,30 @@ def test_finish_saves_computed_blocks_and_marks_them(tmp_path: Path) -> None:
     nothing = make_request("r3", range(10), computed=0)
     sched.on_new_request(nothing)
     assert sched.request_finished(nothing, (1, 2)) == (False, None)  # nothing computed
+
+
+def test_a_failed_save_is_not_marked_stored(tmp_path: Path) -> None:
+    """Issue 34: a block the worker could not write (a full disk, an injected store fault)
+    was marked stored when the save was reported, so every later hit on it failed its load
+    and was recomputed. Only blocks whose files every rank wrote are marked; the others
+    are planned again by the next request that computes them."""
+    sched = SharedStorageConnector().create_scheduler(make_config(tmp_path, tp=2))
+    req = make_request("r", range(10), output=range(50, 57), computed=15)
+    sched.on_new_request(req)
+    assert sched.request_finished(req, (4, 5, 6, 7, 8)) == (True, None)
+    sched.build_connector_meta(sched_output())
+    first, second, third = keys_of(req, 0, 1, 2)
+    for rank in (0, 1):
+        Path(block_path(str(tmp_path), first, rank)).write_bytes(b"x")
+    Path(block_path(str(tmp_path), second, 0)).write_bytes(b"x")  # rank 1 failed it
+    sched.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
+    marked = [os.path.exists(marker_path(str(tmp_path), k)) for k in (first, second, third)]
+    assert marked == [True, False, False]
+    assert [e.block_hashes for e in sched.take_events()] == [req.block_hashes[:1]]
+    again = make_request("r2", range(10), output=range(50, 57), computed=15)
+    sched.on_new_request(again)
+    assert sched.get_num_new_matched_tokens(again, 0) == (4, True)
+    assert sched.request_finished(again, (1, 2, 3, 4)) == (True, None)  # saved again
 
 
 def test_abort_while_loading(tmp_path: Path) -> None:
@@ -537,7 +573,7 @@ def test_producer_hands_off_and_consumer_defers(tmp_path: Path) -> None:
     assert [consumer.get_num_new_matched_tokens(handed, 0) for _ in range(2)] == [(None, False)] * 2
     consumer.build_connector_meta(sched_output())
     assert consumer.get_num_new_matched_tokens(handed, 0) == (None, False)  # SCH-002
-    producer.build_connector_meta(sched_output())
+    worker_wrote(tmp_path, producer.build_connector_meta(sched_output()))
     producer.update_connector_output(KVConnectorOutput(finished_sending={"r"}))
     assert consumer.get_num_new_matched_tokens(handed, 0) == (12, True)
     plain = make_request("p", range(13))  # no hand-off: never deferred
@@ -688,6 +724,85 @@ def test_load_times_out_as_failed(tmp_path: Path) -> None:
     start = time.monotonic()
     worker.shutdown()  # interrupts the delay
     assert time.monotonic() - start < 1.5
+
+
+def test_a_stuck_copy_does_not_hold_the_output_hook(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34: a load whose copy into the KV caches is stuck (holding the job's lock)
+    timed out inside build_connector_output, whose cancel then waited up to 5 s for that
+    lock. The output hooks stay bounded; the load fails with its blocks invalid."""
+    worker = SharedStorageConnector().create_worker(make_config(tmp_path, io_timeout_s=0.3), 0)
+    layout, _, kv = make_kv()
+    worker.register_kv_caches(kv, layout)
+    keys = write_saved(tmp_path, worker, kv)
+    release = threading.Event()
+    original = worker._copy_in  # type: ignore[attr-defined]
+
+    def stuck(block: int, src: torch.Tensor) -> None:
+        release.wait(10)
+        original(block, src)
+
+    monkeypatch.setattr(worker, "_copy_in", stuck)
+    try:
+        run_step(worker, SharedStorageMetadata(loads=(LoadJob("r", ((5, keys[0]),)),)), kv)
+        start = time.monotonic()
+        longest = 0.0
+        recving: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        while "r" not in recving and time.monotonic() - start < 3:
+            t0 = time.monotonic()
+            out = worker.build_connector_output(frozenset())
+            longest = max(longest, time.monotonic() - t0)
+            recving |= out.finished_recving
+            failed |= out.failed_recving
+            invalid |= out.invalid_block_ids
+            time.sleep(0.005)
+        assert failed == {"r"} and invalid == {5}
+        assert longest < 0.2, longest
+    finally:
+        release.set()
+        worker.shutdown()
+
+
+_STUCK_WRITE = """
+import sys, threading, time
+import torch
+from kvspec.conformance.connectors import SharedStorageConnector, SaveJob, SharedStorageMetadata
+from kvspec.conformance.connectors import shared_storage
+from kvspec.protocols import (EngineConfigView, ForwardContextView, ForwardKind,
+                              KVCacheLayout, KVPacking, StrideOrder, TransferRole)
+
+shared_storage._write_block_file = lambda *a: threading.Event().wait()  # a write that hangs
+config = EngineConfigView(engine_id="e", role=TransferRole.BOTH, num_layers=2, block_size=4,
+                          num_blocks=8, extra={"kvspec.tmpdir": sys.argv[1], "io_timeout_s": 0.5})
+layout = KVCacheLayout.contiguous(StrideOrder.LBHNC, KVPacking.CONCAT, torch.float32, 2, 8, 4, 2, 4)
+view = layout.view(torch.zeros(layout.span_elems))
+worker = SharedStorageConnector().create_worker(config, 0)
+worker.register_kv_caches({"a": view[0], "b": view[1]}, layout)
+worker.bind_connector_metadata(SharedStorageMetadata(saves=(SaveJob("s", ((1, "ab" * 8),)),)))
+worker.start_load_kv(ForwardContextView(ForwardKind.REAL, 0, 1, ("a", "b")))
+worker.wait_for_save()
+worker.clear_connector_metadata()
+time.sleep(0.2)  # the write is stuck now
+worker.shutdown()
+print("exiting", flush=True)
+"""
+
+
+def test_a_stuck_write_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    """Issue 34: the worker's thread pool (concurrent.futures) is joined when the
+    interpreter exits, so one stuck write kept the engine's process from ever exiting.
+    Its thread is a daemon now: shutdown is bounded and the process exits."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _STUCK_WRITE, str(tmp_path)],
+                              capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit within 30 s with a write stuck")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exiting" in proc.stdout
+    assert time.monotonic() - start < 15
 
 
 def test_shutdown_does_not_wait_for_jobs_that_never_started(tmp_path: Path) -> None:
@@ -846,7 +961,7 @@ def test_no_salt(tmp_path: Path) -> None:
         sched = new_scheduler(tmp_path / factory.name, factory)
         sched.on_new_request(tenant_a)
         assert sched.request_finished(tenant_a, (0, 1, 2)) == (True, None)
-        sched.build_connector_meta(sched_output())
+        worker_wrote(tmp_path / factory.name, sched.build_connector_meta(sched_output()))
         sched.update_connector_output(KVConnectorOutput(finished_sending={"a"}))
         assert sched.get_num_new_matched_tokens(tenant_b, 0) == expected
 

@@ -697,6 +697,13 @@ def admit(sched: SchedulerConnector, request: RequestView, blocks: list[int]) ->
     return count
 
 
+def wrote(directory: Path, *metas: Any) -> None:
+    """Stand in for the worker: write the block files of the saves in ``metas``."""
+    for meta in metas:
+        for _, key in meta.saves:
+            Path(block_path(str(directory), key, 0)).write_bytes(b"x")
+
+
 def settle(sched: SchedulerConnector, invalid: Iterable[int] = ()) -> list[Any]:
     sched.update_connector_output(KVConnectorOutput(invalid_block_ids=frozenset(invalid)))
     return list(sched.take_events())
@@ -756,6 +763,7 @@ def test_saves_follow_the_filled_prompt_blocks(tmp_path: Path) -> None:
     assert m2 == LayerwiseMetadata()  # decode: generated tokens are never saved
     # outputs arrive in step order, possibly after later steps were built (SCH-014)
     assert not is_stored(tmp_path, keys_of(a, 0)[0])
+    wrote(tmp_path, m0, m1)
     events = settle(sched)
     assert is_stored(tmp_path, keys_of(a, 0)[0]) and not is_stored(tmp_path, keys_of(a, 1)[0])
     assert [type(e) for e in events] == [BlockStored]
@@ -783,6 +791,7 @@ def test_saves_are_deduplicated_and_bounded(tmp_path: Path) -> None:
         (CachedRequestView("b", AllocatedBlocks.single([]), 14), 1)]))
     assert isinstance(m1, LayerwiseMetadata)
     assert m1.saves == ((2, keys_of(a, 2)[0]),)  # the rest, in a's next step; b skips it
+    wrote(tmp_path, m0, m1)
     settle(sched)
     settle(sched)
     assert all(is_stored(tmp_path, k) for k in keys_of(a, 0, 1, 2))
@@ -795,6 +804,7 @@ def test_failed_load_is_unmarked_and_saved_again(tmp_path: Path) -> None:
     assert admit(sched, a, [5, 6, 7, 8]) == 8
     m0 = sched.build_connector_meta(step_view(0, new=[(new_req(a, [5, 6, 7, 8], 8), 6)]))
     assert isinstance(m0, LayerwiseMetadata) and m0.loads == tuple(zip((5, 6), keys_of(a, 0, 1)))
+    wrote(tmp_path, m0)
     events = settle(sched, invalid=[6])
     assert [type(e) for e in events] == [BlockRemoved, BlockStored]
     assert not is_stored(tmp_path, keys_of(a, 1)[0]) and is_stored(tmp_path, keys_of(a, 0)[0])

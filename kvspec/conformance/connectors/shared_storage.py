@@ -53,11 +53,12 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn
 
 import attrs
@@ -860,14 +861,32 @@ class SharedStorageScheduler(SchedulerConnector):
         return meta
 
     def _mark_done(self, record: _SaveRecord) -> None:
-        """Write the markers of a completed save and queue its events."""
+        """Write the markers of a reported save's blocks whose files every rank wrote (a
+        failed write leaves its block unmarked, to be saved again), and queue their events."""
+        marked: set[bytes] = set()
+        ranks = range(self._config.world_size)
         for key in record.keys:
+            self._saving_keys.discard(key)
+            if not all(os.path.exists(block_path(self._dir, key, r)) for r in ranks):
+                continue  # some rank could not write it: never matched
             try:
                 _atomic_write(marker_path(self._dir, key), (b"stored\n",))
+                marked.add(bytes.fromhex(key))
             except OSError as e:
                 _log.warning("cannot write marker of block %s: %s", key, e)
-            self._saving_keys.discard(key)
-        self._events.extend(record.events)
+        for event in record.events:  # only the blocks marked: one event per run of them
+            hashes = list(event.block_hashes)
+            start = 0
+            for end in range(len(hashes) + 1):
+                if end < len(hashes) and hashes[end] in marked:
+                    continue
+                if end > start:
+                    bs = event.block_size
+                    self._events.append(attrs.evolve(
+                        event, block_hashes=hashes[start:end],
+                        parent_block_hash=hashes[start - 1] if start else event.parent_block_hash,
+                        token_ids=event.token_ids[start * bs:end * bs]))
+                start = end + 1
 
     def _unmark(self, keys: Sequence[str]) -> None:
         """Remove the markers of blocks whose load failed, so they are stored again."""
@@ -952,6 +971,9 @@ class _Job:
 
 
 _LOCK_TIMEOUT_S = 5.0
+_CANCEL_WAIT_S = 0.05
+"""The longest an output hook waits, cancelling a timed-out job, for its block copy in
+progress (a copy into memory takes microseconds; one that takes longer is stuck)."""
 
 
 class SharedStorageWorker(WorkerConnector):
@@ -980,7 +1002,7 @@ class SharedStorageWorker(WorkerConnector):
         self._block_shape: tuple[int, ...] = ()
         self._split = False
         self._stream: torch.cuda.Stream | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: _Runner | None = None
         self._closing = threading.Event()
         self._closed = False
         self._loads: dict[str, _Job] = {}
@@ -1055,9 +1077,7 @@ class SharedStorageWorker(WorkerConnector):
             self._stream = stream
         self._layout = layout
         os.makedirs(self._dir, exist_ok=True)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"kvspec-shared-storage-rank{self._rank}"
-        )
+        self._pool = _Runner(f"kvspec-shared-storage-rank{self._rank}")
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -1222,12 +1242,12 @@ class SharedStorageWorker(WorkerConnector):
         return tuple(failed)
 
     def _cancel(self, job: _Job) -> None:
-        """Stop a job: dequeue it, or keep it from copying any further block."""
+        """Stop a job: dequeue it, or keep it from copying any further block. Runs in the
+        output hooks, so it waits only ``_CANCEL_WAIT_S`` for a block copy in progress;
+        if that one is stuck, the flag still stops every later block (WRK-014)."""
         if job.future is not None:
             job.future.cancel()
-        # Taking the lock waits for a block copy in progress; if one is stuck, the flag
-        # still stops every later block.
-        locked = job.lock.acquire(timeout=_LOCK_TIMEOUT_S)
+        locked = job.lock.acquire(timeout=_CANCEL_WAIT_S)
         job.cancelled.set()
         if locked:
             job.lock.release()
@@ -1323,23 +1343,55 @@ class SharedStorageWorker(WorkerConnector):
         self._closing.set()
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            jobs = (*self._loads.values(), *self._saves.values())
+            for j in jobs:
+                if j.future is not None:
+                    j.future.cancel()  # those not started
+            pool.close()
             # A future cancelled before it started stays CANCELLED, which wait() never
             # counts as done: waiting on it would always run into the timeout.
-            futures = [
-                j.future for j in (*self._loads.values(), *self._saves.values())
-                if j.future is not None and not j.future.cancelled()
-            ]
+            futures = [j.future for j in jobs if j.future is not None and not j.future.cancelled()]
             concurrent.futures.wait(futures, timeout=self._settings.io_timeout_s)
-            deadline = time.monotonic() + _LOCK_TIMEOUT_S
-            for thread in list(getattr(pool, "_threads", ())):
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            pool.thread.join(timeout=_LOCK_TIMEOUT_S)
+            if pool.thread.is_alive():  # a daemon: it does not keep the process alive
+                _log.error("rank %d: thread %s is stuck in a transfer; left behind",
+                           self._rank, pool.thread.name)
         self._loads.clear()
         self._saves.clear()
         self._aborted.clear()
         self._tensors = []
         self._stream = None
         self._slot.clear()
+
+
+class _Runner:
+    """One daemon thread running submitted calls in order. A ``ThreadPoolExecutor``'s
+    threads are joined when the interpreter exits, so one stuck write kept the engine's
+    process from ever exiting (issue 34)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)``; its future can be cancelled until the call starts."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """End the thread after the call it runs, if any; calls queued are dropped."""
+        self._queue.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 (the future carries it)
+                    future.set_exception(e)
 
 
 # ------------------------------------------------------------------------------- factory
