@@ -18,9 +18,12 @@ _S = RequestStatus
 
 REQUEST_TRANSITIONS: Mapping[RequestStatus, frozenset[RequestStatus]] = MappingProxyType({
     _S.WAITING: frozenset({_S.WAITING, _S.WAITING_FOR_REMOTE_KV, _S.RUNNING, _S.ABORTED}),
-    _S.WAITING_FOR_REMOTE_KV: frozenset({_S.WAITING, _S.ABORTED}),
+    _S.WAITING_FOR_REMOTE_KV: frozenset({_S.WAITING, _S.PREEMPTED, _S.ABORTED}),
     _S.RUNNING: frozenset({_S.PREEMPTED, _S.FINISHED, _S.ABORTED}),
-    _S.PREEMPTED: frozenset({_S.WAITING, _S.ABORTED}),
+    # A preempted request waits in the queue as PREEMPTED until it runs again (vLLM 0.32),
+    # also after an async load it was given meanwhile; engines that re-queue it as WAITING
+    # are allowed too.
+    _S.PREEMPTED: frozenset({_S.WAITING, _S.WAITING_FOR_REMOTE_KV, _S.RUNNING, _S.ABORTED}),
     _S.FINISHED: frozenset(),
     _S.ABORTED: frozenset(),
 })

