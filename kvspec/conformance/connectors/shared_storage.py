@@ -971,6 +971,8 @@ class _Job:
 
 
 _LOCK_TIMEOUT_S = 5.0
+_JOIN_WAIT_S = 0.5
+"""After the running job's own timeout, the longest ``shutdown`` waits for the thread."""
 _CANCEL_WAIT_S = 0.05
 """The longest an output hook waits, cancelling a timed-out job, for its block copy in
 progress (a copy into memory takes microseconds; one that takes longer is stuck)."""
@@ -1352,7 +1354,7 @@ class SharedStorageWorker(WorkerConnector):
             # counts as done: waiting on it would always run into the timeout.
             futures = [j.future for j in jobs if j.future is not None and not j.future.cancelled()]
             concurrent.futures.wait(futures, timeout=self._settings.io_timeout_s)
-            pool.thread.join(timeout=_LOCK_TIMEOUT_S)
+            pool.thread.join(timeout=_JOIN_WAIT_S)  # its calls had io_timeout_s to end
             if pool.thread.is_alive():  # a daemon: it does not keep the process alive
                 _log.error("rank %d: thread %s is stuck in a transfer; left behind",
                            self._rank, pool.thread.name)
