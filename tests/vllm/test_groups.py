@@ -17,7 +17,7 @@ class FullAttentionSpec:
 
 
 class MLAAttentionSpec(FullAttentionSpec):
-    pass
+    """A full-attention spec by inheritance, as vLLM's MLA spec is."""
 
 
 class SlidingWindowSpec:
@@ -34,8 +34,8 @@ class MambaSpec:
     block_size = 64
 
 
-class CrossAttentionSpec(FullAttentionSpec):  # a full-attention spec kvspec cannot move
-    pass
+class CrossAttentionSpec(FullAttentionSpec):
+    """A full-attention subclass kvspec cannot move: refused before its base matches."""
 
 
 @dataclass

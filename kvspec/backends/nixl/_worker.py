@@ -526,7 +526,8 @@ class NixlWorker(WorkerConnector):
                             self._early[peer] = self._early.get(peer, 0) + 1
                     note.got += 1
                     note.expected = max(note.expected, expected)
-                if bad >= _PEER_BUDGET or self._early.get(peer, 0) >= _PEER_BUDGET and bad:
+                full = self._early.get(peer, 0) >= _PEER_BUDGET
+                if bad >= _PEER_BUDGET or (full and bad):  # past a budget: flooding
                     rest = len(messages) - i - 1
                     self._cut(peer, bad + rest)
                     bad += rest

@@ -12,6 +12,7 @@ Nothing here touches CUDA until a ``CudaCapturer`` is made.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -141,10 +142,10 @@ class CudaCapturer(GraphCapturer):
                     gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(capture_stream)
             if failure is not None:
-                try:
-                    graph.reset()  # what a failed capture holds
-                except Exception:  # noqa: S110  (nothing was captured to free)
-                    pass
+                # Free what the failed capture holds; a capture that never began has
+                # nothing to free, and torch then raises, which changes nothing here.
+                with contextlib.suppress(RuntimeError):
+                    graph.reset()
                 # Our own refusal, even if capture_end then failed on top of it.
                 ours = _kvspec_error_in_chain(failure)
                 if ours is not None:
