@@ -41,6 +41,7 @@ from kvspec.protocols import (
     FaultPlan,
     ForwardContextView,
     ForwardKind,
+    HookGraphMode,
     InvalidArgumentError,
     InvalidBlockIdError,
     KVCacheLayout,
@@ -752,7 +753,7 @@ def _pool_cases(draw: st.DrawFn) -> tuple[KVCacheLayout, list[int], list[int]]:
     return layout, list(ids), list(slots)
 
 
-@pytest.mark.parametrize("few", [0, 1 << 30], ids=["indexed", "memmove"])
+@pytest.mark.parametrize("few", [0, 1 << 30, -1], ids=["indexed", "memmove", "by-layer"])
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=_pool_cases())
 def test_pool_store_and_load_are_byte_exact_on_every_path(
@@ -761,7 +762,9 @@ def test_pool_store_and_load_are_byte_exact_on_every_path(
 ) -> None:
     """Any layout (every path and element width), any blocks, any slot order: a store then
     a load into other blocks moves exactly each block's bytes and touches nothing else,
-    with the indexed tensor copies and with the per-region moves of few-block jobs."""
+    with the indexed tensor copies, with the per-region moves of few-block jobs, and
+    layer by layer (``load_by_layer``, where the layout allows it: every layer storage
+    once, in order)."""
     from kvspec.backends.offload import _pool
 
     monkeypatch.setattr(_pool, "_FEW", few)
@@ -785,7 +788,13 @@ def test_pool_store_and_load_are_byte_exact_on_every_path(
         assert bytes(pool.host[s].tolist()) == block(b, before)
     assert torch.equal(storage, before)  # a store reads only
     targets = list(reversed(ids))
-    pool.load(pool.plan(targets, slots))
+    if few == -1 and pool.layer_chunks:
+        assert layout.order.dims[0] == "L" and pool.path == "rows"
+        done: list[int] = []
+        assert pool.load_by_layer(pool.plan(targets, slots), done.append, lambda: False)
+        assert done == list(range(layout.num_storage_layers))
+    else:
+        pool.load(pool.plan(targets, slots))
     for t, b in zip(targets, ids):
         assert block(t, storage) == block(b, before)
     changed = (storage != before).nonzero().flatten().tolist()
@@ -1068,7 +1077,9 @@ def test_sync_load_factory_declares_sync_loads_and_builds_sync_roles() -> None:
     factory = SyncLoadOffloadConnector()
     assert factory.name == "offload-sync"
     assert not factory.capabilities.async_loads
-    assert attrs.evolve(factory.capabilities, async_loads=True) == OffloadConnector().capabilities
+    assert factory.capabilities.layer_hooks is HookGraphMode.EAGER  # pipelined loads wait
+    assert attrs.evolve(factory.capabilities, async_loads=True,
+                        layer_hooks=HookGraphMode.NO_LAYER_HOOKS) == OffloadConnector().capabilities
     sched = factory.create_scheduler(_config(offload_slots=2))
     worker = factory.create_worker(_config(offload_slots=2), 0)
     try:

@@ -106,8 +106,21 @@ def test_sync_load_offload_loads_before_the_forward_reads_the_kv(
     the blocks before the forward read them, and after the pool is overwritten with noise
     the tokens change, so they came from the loaded bytes."""
     e = _store_then_load({"factory": "kvspec.backends.offload:SyncLoadOffloadConnector",
-                          "extra": {"offload_slots": 64}}, vllm_logs, "offload-sync",
+                          "extra": {"offload_slots": 64}, "max_model_len": 2048,
+                          "max_num_batched_tokens": 2048,
+                          "model": {"max_position_embeddings": 2048}}, vllm_logs, "offload-sync",
                          baseline, engines)
+    # A load of 40 blocks (80 regions, more than a few) is pipelined: copied layer by layer
+    # by the loader thread while the forward runs, each layer's attention waiting for its
+    # layer (WRK-005). The first call computes the prompt; the second loads it, with the
+    # same tokens.
+    assert e.call("kvspec.vllm._probes:record_copy_stats")
+    long = [(17 * i + 2) % 509 + 1 for i in range(40 * BLOCK + 1)]
+    first, second = (e.generate([long], max_tokens=MAX_TOKENS)[0] for _ in range(2))
+    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, 40 * BLOCK)
+    assert second["tokens"] == first["tokens"]
+    stats = e.call("kvspec.vllm._probes:copy_stats")
+    assert stats["loads_pipelined"] >= 1 and stats["blocks_loaded"] >= 40
     assert e.call(f"{PROBES}:corrupt_offload_pool") > 0
     third = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["num_cached_tokens"] for r in third] == [_full_blocks(p) for p in PROMPTS]

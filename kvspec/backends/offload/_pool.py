@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import array
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -217,6 +217,19 @@ class HostPool:
         )
         self._byte_bases = bases
         self._stride_bytes = stride
+        self.layer_chunks = self._layer_chunks(layout, bases)
+        """Per layer storage (LAY-011), the ``[lo, hi)`` range of its regions within a block,
+        when a load can be split by layer (``load_by_layer``): host memory, the ``"rows"``
+        path and a layer-outermost order; else empty."""
+
+    def _layer_chunks(self, layout: KVCacheLayout, bases: list[int]) -> tuple[tuple[int, int], ...]:
+        if self.device.type != "cpu" or self.path != "rows" or layout.order.block_outermost:
+            return ()
+        layer = [b // layout.layer_stride_bytes for b in bases]  # ascending: L is outermost
+        if layer != sorted(layer) or layer[-1] - layer[0] + 1 != layout.num_storage_layers:
+            return ()
+        return tuple((layer.index(n), len(layer) - layer[::-1].index(n))
+                     for n in range(layer[0], layer[-1] + 1))
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -334,6 +347,30 @@ class HostPool:
             if self.device.type != "cpu":
                 src = src.to(self.device, non_blocking=True)
             self._view.index_copy_(0, index, src)
+
+    def few(self, plan: CopyPlan) -> bool:
+        """True when ``plan`` is moved region by region (``_moves``): a few regions on the
+        host, microseconds in all."""
+        return self._addrs is not None and len(plan.block_ids) * self.regions_per_block <= _FEW
+
+    def load_by_layer(self, plan: CopyPlan, done: Callable[[int], object],
+                      stop: Callable[[], bool]) -> bool:
+        """``load``, one layer storage after the other (``layer_chunks``, which must not be
+        empty): after copying storage ``n``'s regions of every block, call ``done(n)``;
+        before each, stop (returning False) when ``stop()`` is true. One ``index_put_``
+        per run and layer, from a strided view of the pool's rows (no temporary); True when
+        every layer was copied."""
+        k = self.entries_per_block
+        entries = self._index(plan)
+        for n, (lo, hi) in enumerate(self.layer_chunks):
+            if stop():
+                return False
+            for slot, pos, count in plan.runs:
+                index = entries[pos * k:(pos + count) * k].view(count, k)[:, lo:hi]
+                src = self._host_rows(slot, count).view(count, k, -1)[:, lo:hi]
+                self._view.index_put_((index,), src)
+            done(n)
+        return True
 
     def release(self) -> None:
         """Drop the references to the KV caches and the host memory (WRK-015)."""

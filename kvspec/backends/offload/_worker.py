@@ -12,11 +12,17 @@ successful store; a load whose slot holds another tag (evicted, overwritten, a f
 store) or an injected fault fails its blocks: the request is reported in
 ``finished_recving`` and ``failed_recving`` with those block ids invalid (WRK-011).
 
-With ``sync_loads`` (``OffloadSettings``), loads are not handed to the thread:
-``start_load_kv`` runs them on the engine's thread, before the forward reads the KV
-(WRK-004), and before it submits the step's stores. They are never reported in
-``finished_recving``; the blocks of a failed one are named in the invalid block ids of
-the step's ``get_finished`` (WRK-011, SCH-024).
+With ``sync_loads`` (``OffloadSettings``), loads are complete before the forward reads
+their KV and are never reported in ``finished_recving``; the blocks of a failed one are
+named in the invalid block ids of the step's ``get_finished`` (WRK-011, SCH-024). A load
+of a few regions runs on the engine's thread in ``start_load_kv`` (microseconds). A larger
+one on host memory with a layer-outermost layout is *pipelined*: a second daemon thread
+(the loader) copies it layer by layer while the forward runs, and ``wait_for_layer_load``
+waits, up to the load's deadline, for the layer the next attention reads (WRK-004,
+WRK-005): the copy of layer ``n + 1`` overlaps the attention of layer ``n``, and a copy
+that hangs holds no hook past its deadline. ``get_finished`` waits for what the forward did
+not (bounded the same way); a load past its deadline fails with every block invalid. Any
+other sync load runs on the engine's thread in ``start_load_kv``.
 
 A copy still running at its deadline (``io_timeout_s``: a stuck device, a hung driver) is
 never waited for: its request is reported at once, a load as failed with every block
@@ -74,7 +80,8 @@ on the background thread, so that small loads are reported in the step they ran 
 class _Job:
     """One request's load or store on this rank, as the worker tracks it."""
 
-    __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future", "remaining")
+    __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future", "remaining",
+                 "layers")
 
     def __init__(self, job: TransferJob, plan: CopyPlan | None, timeout_s: float) -> None:
         self.job = job
@@ -86,6 +93,7 @@ class _Job:
         self.cancelled = False
         self.lock = threading.Lock()
         self.future: concurrent.futures.Future[tuple[int, ...]] | None = None
+        self.layers: tuple[threading.Event, ...] = ()  # a pipelined load: set per layer copied
 
 
 class OffloadWorker(WorkerConnector):
@@ -136,6 +144,9 @@ class OffloadWorker(WorkerConnector):
         self._failed_stores: set[str] = set()
         self._invalid: frozenset[int] = frozenset()
         self._sync_invalid: set[int] = set()  # failed blocks of sync loads, not yet reported
+        self._loader: Runner | None = None  # the pipelined sync loads' thread
+        self._layer_of: dict[str, int] = {}  # layer name -> its storage (LAY-011)
+        self._pipelined: list[_Job] = []  # this step's pipelined sync loads
         self._stats_lock = threading.Lock()
         self._counters: dict[str, int] = {}
         self._rng = random.Random(self._settings.fault_seed * 1_000_003 + rank)
@@ -178,6 +189,10 @@ class OffloadWorker(WorkerConnector):
             self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
         self._layout = layout
         self._executor = Runner(f"kvspec-offload-rank{self._rank}")
+        if s.sync_loads and self.pool.layer_chunks:
+            slots = layout.layer_slots
+            self._layer_of = {name: slots[i] for i, name in enumerate(kv_caches)}
+            self._loader = Runner(f"kvspec-offload-loader-rank{self._rank}", any_cpu=True)
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -297,10 +312,19 @@ class OffloadWorker(WorkerConnector):
         return {} if self._stage is None else self._stage.buffers
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: asynchronous loads complete before their requests are
-        scheduled, synchronous ones in ``start_load_kv`` (WRK-005). Capturable: no device
-        work at all."""
+        """Wait, up to each load's deadline, until the step's pipelined sync loads copied
+        ``layer_name``'s storage (WRK-005, WRK-014); a load past its deadline fails
+        (``get_finished`` names its blocks invalid). Otherwise nothing to wait for:
+        asynchronous loads complete before their requests are scheduled, other synchronous
+        ones in ``start_load_kv``. Capturable: no device work at all."""
         self._slot.get("wait_for_layer_load")
+        if not self._pipelined:
+            return
+        layer = self._layer_of.get(layer_name)
+        for j in self._pipelined:
+            done = j.layers[layer] if layer is not None else None
+            if done is not None and not done.wait(max(0.0, j.deadline - time.monotonic())):
+                self._cancel(j)  # reported failed by get_finished
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, forward_context: ForwardContextView
@@ -330,11 +354,13 @@ class OffloadWorker(WorkerConnector):
         pool = self.pool
         assert pool is not None
         jobs: tuple[TransferJob, ...] = (*meta.loads, *meta.stores)  # loads first
+        after_stores: tuple[TransferJob, ...] = ()
         if meta.loads and meta.stores:  # a load of a store in this step runs after it
             written = {s for job in meta.stores for s in job.slots}
-            after = tuple(job for job in meta.loads if not written.isdisjoint(job.slots))
-            if after:
-                jobs = (*(job for job in meta.loads if job not in after), *meta.stores, *after)
+            after_stores = tuple(job for job in meta.loads if not written.isdisjoint(job.slots))
+            if after_stores:
+                jobs = (*(job for job in meta.loads if job not in after_stores), *meta.stores,
+                        *after_stores)
         plans = []
         for job in jobs:
             if job.is_load and job.request_id in self._loads:
@@ -350,8 +376,12 @@ class OffloadWorker(WorkerConnector):
         wedged = self._wedged()
         sync = self._settings.sync_loads
         for job, plan in zip(jobs, plans):
-            if sync and job.is_load:  # here, now: never reported
-                self._sync_invalid.update(self._sync_load(pool, job, plan, event))
+            if sync and job.is_load:  # complete before the forward reads it: never reported
+                if (self._loader is not None and plan is not None and not pool.few(plan)
+                        and job not in after_stores):
+                    self._pipeline(pool, job, plan)
+                else:
+                    self._sync_invalid.update(self._sync_load(pool, job, plan, event))
                 continue
             j = _Job(job, plan, timeout)
             if wedged is not None:  # queued behind a stuck copy it would only time out
@@ -511,6 +541,20 @@ class OffloadWorker(WorkerConnector):
     def _load(self, pool: HostPool, j: _Job | None, job: TransferJob, plan: CopyPlan | None,
               event: torch.cuda.Event | None) -> tuple[int, ...]:
         """Load ``job`` (tracked as ``j``, or None for a synchronous load)."""
+        failed, plan = self._checked(pool, job, plan)
+        micros = self._copy(pool, plan, False, event) if plan is not None else 0
+        if j is not None and self._late(j):
+            self._count(load_copy_us=micros, load_failures=len(job))
+            return job.block_ids
+        good = len(job) - len(failed)
+        self._count(load_copy_us=micros, blocks_loaded=good,
+                    bytes_loaded=good * pool.bytes_per_block, load_failures=len(failed))
+        return tuple(failed)
+
+    def _checked(self, pool: HostPool, job: TransferJob, plan: CopyPlan | None
+                 ) -> tuple[list[int], CopyPlan | None]:
+        """The blocks of load ``job`` that fail (a slot holding another tag, or an injected
+        fault), and the plan of the others (None when none is left)."""
         tags = self._slot_tags
         rate = 1.0 if self._faults.fail_loads else self._settings.load_fault_rate
         slots = job.slots
@@ -525,14 +569,87 @@ class OffloadWorker(WorkerConnector):
                 bad = set(failed)
                 keep = [(b, s) for b, s in zip(job.block_ids, slots) if b not in bad]
                 plan = pool.plan([b for b, _ in keep], [s for _, s in keep]) if keep else None
-        micros = self._copy(pool, plan, False, event) if plan is not None else 0
-        if j is not None and self._late(j):
-            self._count(load_copy_us=micros, load_failures=len(job))
+        return failed, plan
+
+    def _pipeline(self, pool: HostPool, job: TransferJob, plan: CopyPlan) -> None:
+        """Hand sync load ``job`` to the loader thread, to copy layer by layer while the
+        forward runs (``wait_for_layer_load``); a stuck earlier one fails it at once."""
+        loader = self._loader
+        assert loader is not None
+        j = _Job(job, plan, self._settings.io_timeout_s)
+        j.layers = tuple(threading.Event() for _ in pool.layer_chunks)
+        j.future = concurrent.futures.Future()
+        if any(s.lock.locked() and s.layers for s in self._stuck):  # the loader is stuck
+            self._failed_job(job)
+            j.future.set_result(job.block_ids)
+            for done in j.layers:
+                done.set()
+        else:
+            j.future = loader.submit(self._run_pipelined, pool, j)
+            self._count(loads_pipelined=1)
+        self._pipelined.append(j)
+
+    def _run_pipelined(self, pool: HostPool, j: _Job) -> tuple[int, ...]:
+        """Loader thread: copy pipelined load ``j`` layer by layer, setting each layer's
+        event; every event is set on return, whatever happened. Return the failed ids."""
+        job = j.job
+        try:
+            delay = max(self._settings.load_delay_s, self._faults.delay_s)
+            if delay:
+                self._closing.wait(delay)  # returns early at shutdown
+            if not j.lock.acquire(timeout=_LOCK_TIMEOUT_S):
+                return job.block_ids
+            try:
+                if self._closing.is_set() or j.cancelled:
+                    return job.block_ids
+                failed, plan = self._checked(pool, job, j.plan)
+                def stop() -> bool:
+                    return j.cancelled or self._closing.is_set()
+
+                start = time.perf_counter()
+                if plan is not None and not pool.load_by_layer(
+                        plan, lambda n: j.layers[n].set(), stop):
+                    self._late(j)  # stopped between two layers
+                    self._count(load_failures=len(job))
+                    return job.block_ids
+                micros = max(1, int((time.perf_counter() - start) * 1e6)) if plan else 0
+                if self._late(j):
+                    self._count(load_copy_us=micros, load_failures=len(job))
+                    return job.block_ids
+                good = len(job) - len(failed)
+                self._count(load_copy_us=micros, blocks_loaded=good,
+                            bytes_loaded=good * pool.bytes_per_block,
+                            load_failures=len(failed))
+                return tuple(failed)
+            finally:
+                j.lock.release()
+        except (KVSpecError, RuntimeError, ValueError) as e:
+            _log.warning("rank %d: load of request %s failed: %s", self._rank,
+                         job.request_id, str(e))
+            self._failed_job(job)
             return job.block_ids
-        good = len(job) - len(failed)
-        self._count(load_copy_us=micros, blocks_loaded=good,
-                    bytes_loaded=good * pool.bytes_per_block, load_failures=len(failed))
-        return tuple(failed)
+        finally:
+            for done in j.layers:
+                done.set()  # a failed load's blocks are named invalid after the forward
+
+    def _end_pipelined(self) -> None:
+        """Wait, up to each deadline, for the step's pipelined loads the forward did not
+        wait for to its end; their failed blocks (all on a timeout) become invalid."""
+        for j in self._pipelined:
+            future = j.future
+            assert future is not None
+            if not j.cancelled:
+                concurrent.futures.wait((future,), max(0.0, j.deadline - time.monotonic()))
+            if future.done() and not j.cancelled:
+                self._sync_invalid.update(j.job.block_ids if future.cancelled()
+                                          else future.result())
+            else:
+                if not j.cancelled:
+                    _log.warning("rank %d: load of request %s timed out", self._rank,
+                                 j.job.request_id)
+                    self._cancel(j)
+                self._sync_invalid.update(j.job.block_ids)  # counted by _late if it ends
+        self._pipelined = []
 
     def _cancel(self, j: _Job) -> None:
         """Cancel ``j`` without waiting: a copy not started never starts; one running is
@@ -589,6 +706,8 @@ class OffloadWorker(WorkerConnector):
         (recving) completed since the last call, each once (WRK-009, WRK-010); failed or
         timed-out loads count as completed (WRK-011, WRK-014). A failed store is still
         reported sending, and named in the worker metadata (its slots stay invalid)."""
+        if self._pipelined:
+            self._end_pipelined()
         now = time.monotonic()
         sending: set[str] = set()
         recving: set[str] = set()
@@ -646,9 +765,10 @@ class OffloadWorker(WorkerConnector):
 
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
         """``blocks_stored``, ``bytes_stored``, ``blocks_loaded``, ``bytes_loaded``,
-        ``load_failures``, ``store_failures`` and the copy times ``store_copy_us`` and
-        ``load_copy_us`` (background copies; the layerwise path's drain is not timed) since
-        the last call, or None (EVT-006)."""
+        ``load_failures``, ``store_failures``, ``loads_pipelined`` (sync loads handed to the
+        loader thread) and the copy times ``store_copy_us`` and ``load_copy_us``
+        (background and loader copies; the layerwise path's drain is not timed) since the
+        last call, or None (EVT-006)."""
         with self._stats_lock:
             counters, self._counters = self._counters, {}
         # Zeros are never counted; the names are the worker's own, the values ints.
@@ -764,6 +884,7 @@ class OffloadWorker(WorkerConnector):
         self._closed = True
         self._closing.set()
         runner, self._executor = self._executor, None
+        loader, self._loader = self._loader, None
         for j, _ in self._save_queue:  # queued for the hooks: never started
             if j.future is not None:
                 j.future.cancel()
@@ -771,19 +892,23 @@ class OffloadWorker(WorkerConnector):
         self._staged = []
         if runner is not None:
             now = time.monotonic()
-            jobs = (*self._loads.values(), *(j for js in self._stores.values() for j in js))
+            jobs = (*self._loads.values(), *self._pipelined,
+                    *(j for js in self._stores.values() for j in js))
             for j in jobs:
                 if j.future is not None:
                     j.future.cancel()  # those not started; the running one goes on
             running = [j for j in (*jobs, *self._stuck) if j.lock.locked()]
             wait = min((max(0.0, j.deadline - now) for j in running), default=0.0)
-            if not runner.close(max(0.05, min(wait, _SHUTDOWN_WAIT_S)) if running
-                                else _SHUTDOWN_WAIT_S):
-                stuck = self._wedged() or (running[0] if running else None)
-                _log.error("rank %d: thread %s did not stop: it is stuck in the %s; left "
-                           "behind as a daemon thread", self._rank, runner.thread.name,
-                           "copy of request " + stuck.job.request_id if stuck else "a copy")
+            for thread in (runner, loader):
+                if thread is not None and not thread.close(
+                        max(0.05, min(wait, _SHUTDOWN_WAIT_S)) if running else _SHUTDOWN_WAIT_S):
+                    stuck = self._wedged() or (running[0] if running else None)
+                    _log.error("rank %d: thread %s did not stop: it is stuck in the %s; left "
+                               "behind as a daemon thread", self._rank, thread.thread.name,
+                               "copy of request " + stuck.job.request_id if stuck
+                               else "a copy")
         self._loads.clear()
+        self._pipelined = []
         self._sync_invalid.clear()
         self._stores.clear()
         self._finishing.clear()

@@ -105,7 +105,10 @@ class SyncLoadOffloadConnector(OffloadConnector):
     ``(n, False)`` and its load is done by ``start_load_kv``, before the step's forward
     reads the KV (WRK-004), and never reported in ``finished_recving``; failed blocks are
     named invalid (WRK-011). A hit then costs the engine no step of waiting for the load.
-    Declares no async loads; everything else as ``OffloadConnector``."""
+    A large load on host memory is copied layer by layer by a loader thread while the
+    forward runs, and ``wait_for_layer_load`` waits for each layer (WRK-005): hence
+    ``EAGER`` per-layer hooks (PIECEWISE graphs only, GRA-002). Declares no async loads;
+    everything else as ``OffloadConnector``."""
 
     @property
     def name(self) -> str:
@@ -114,8 +117,9 @@ class SyncLoadOffloadConnector(OffloadConnector):
 
     @property
     def capabilities(self) -> Capabilities:
-        """As ``OffloadConnector``, without async loads."""
-        return attrs.evolve(super().capabilities, async_loads=False)
+        """As ``OffloadConnector``, without async loads, with ``EAGER`` per-layer hooks."""
+        return attrs.evolve(super().capabilities, async_loads=False,
+                            layer_hooks=HookGraphMode.EAGER)
 
     @staticmethod
     def _sync(config: EngineConfigView) -> EngineConfigView:
