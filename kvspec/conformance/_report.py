@@ -136,8 +136,9 @@ def _find_violation(exc: BaseException) -> ContractViolation | None:
     In order: a ContractViolation anywhere in ``exc`` (exception groups, such as
     hypothesis's flaky failures, and explicit causes included); else a KVSpecError that
     names a clause (that clause); else a crash, an exception that is not a kvspec error
-    escaping a connector's hook (ERR-010, naming the hook). Plain asserts and errors of
-    the suite's own code are not attributed.
+    escaping a connector's hook (ERR-010, naming the hook), a bare ``assert`` in the
+    connector's code included. Plain asserts and errors of the suite's own code are not
+    attributed.
     """
     errors = sys.modules.get("kvspec.protocols.errors")
     if errors is None:
@@ -151,17 +152,52 @@ def _find_violation(exc: BaseException) -> ContractViolation | None:
         if isinstance(e, errors.KVSpecError) and e.clause:
             return _as_violation(violation_cls, e.clause.upper(),
                                  f"{type(e).__name__}: {e.message}")
-    if not isinstance(exc, Exception) or isinstance(exc, (AssertionError, errors.KVSpecError)):
+    if not isinstance(exc, Exception) or isinstance(exc, errors.KVSpecError):
         return None
     hook = _crashed_hook(exc)
     if hook is None:
         return None
     text = str(exc).strip().splitlines()
+    if hook.rsplit(".", 1)[-1] in _SCHEDULER_HOOKS and _is_mutation(exc):
+        return violation_cls(
+            "SCH-012", observed=f"{hook} tried to change an input the engine owns "
+            f"({type(exc).__name__}: {text[0][:300] if text else ''}); the suite hands views "
+            "that refuse writes, where a real engine's objects would take the write "
+            "silently and change what it computes",
+            expected="scheduler hooks read the request, its kv_transfer_params, the block "
+            "lists and the scheduler output, and keep what they need in their own state",
+        )
     return violation_cls(
         "ERR-010", observed=f"{hook} raised {type(exc).__name__}"
         + (f": {text[0][:300]}" if text else ""),
         expected="the hook returns, or raises a KVSpecError saying what was wrong",
     )
+
+
+_SCHEDULER_HOOKS = frozenset({
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+    "on_new_request", "request_finished", "update_connector_output", "take_events",
+    "get_finished_count", "set_xfer_handshake_metadata", "bind_block_references",
+    "has_pending_work",
+})
+"""Scheduler-role hooks: a write to one of their inputs breaks SCH-012."""
+_READ_ONLY = ("'mappingproxy' object", "'tuple' object", "'frozenset' object")
+_WRITES = ("does not support item assignment", "does not support item deletion",
+           *(f"has no attribute '{m}'" for m in (
+               "pop", "popitem", "update", "setdefault", "clear", "append", "extend",
+               "insert", "remove", "add", "discard", "sort", "reverse", "__setitem__")))
+
+
+def _is_mutation(exc: BaseException) -> bool:
+    """True when ``exc`` is what a read-only view raises on a write: a frozen attrs view's
+    ``FrozenInstanceError``, or the error of writing into a mappingproxy, tuple or
+    frozenset (the shapes the views hand out)."""
+    if type(exc).__name__ == "FrozenInstanceError":
+        return True
+    if not isinstance(exc, (TypeError, AttributeError)):
+        return False
+    text = str(exc)
+    return text.startswith(_READ_ONLY) and any(w in text for w in _WRITES)
 
 
 _KVSPEC_ROOT = str(Path(__file__).parent.parent)

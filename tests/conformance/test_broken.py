@@ -92,12 +92,24 @@ class _CrashingWorker(SharedStorageWorker):
 
 class WorkerCrash(SharedStorageConnector):
     worker_class = _CrashingWorker
+
+
+class _AssertingWorker(SharedStorageWorker):
+    def get_finished(self, finished_req_ids):
+        assert not finished_req_ids, "nothing finishes here"
+        return super().get_finished(finished_req_ids)
+
+
+class WorkerAssert(SharedStorageConnector):
+    worker_class = _AssertingWorker
 '''
 
 
 @pytest.mark.parametrize(("name", "clause", "says"), [
     ("TypedError", "SCH-004", "InvalidArgumentError: no matches today"),
     ("WorkerCrash", "ERR-010", "_CrashingWorker.get_finished raised ZeroDivisionError"),
+    # issue 35: a bare assert in connector code is a crash like any other
+    ("WorkerAssert", "ERR-010", "_AssertingWorker.get_finished raised AssertionError"),
 ])
 def test_a_failure_is_counted_once_against_the_clause_it_names(
     pytester: pytest.Pytester, name: str, clause: str, says: str

@@ -531,3 +531,29 @@ def test_a_run_out_of_steps_names_the_requests_left() -> None:
     with pytest.raises(AssertionError, match="did not finish in 20 steps.*r waiting"):
         with Engine(_Connector(), HarnessConfig()) as e:
             e.run(Workload([RequestSpec("r", (1, 2, 3, 4, 5))]), max_steps=20)
+
+
+def test_after_a_lost_transfer_later_engines_wait_only_the_cap(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: a connector that never reports its sends costs the first engine the whole
+    transfer timeout (SCH-016); later engines on the same connector class wait at most
+    LOST_TRANSFER_CAP_S, and their verdicts say so. Other connectors keep the timeout."""
+    from kvspec.conformance.connectors.broken import NoSendReportConnector
+    from kvspec.conformance.harness import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_LOST_TRANSFERS", set())
+    cfg = HarnessConfig(prefix_caching=False, transfer_timeout_s=2.0)
+    wl = SCENARIOS["full-prompt-hit"]
+    verdicts = []
+    for i in range(2):
+        start = time.monotonic()
+        with pytest.raises(ContractViolation) as info:
+            with Engine(NoSendReportConnector(), cfg, tmpdir=f"{tmp_path}/{i}") as e:
+                assert e.config.transfer_timeout_s == (2.0 if i == 0 else 1.0)
+                e.run(wl)
+        verdicts.append((info.value.clause, time.monotonic() - start, str(info.value)))
+    assert [v[0] for v in verdicts] == ["SCH-016", "SCH-016"]
+    assert verdicts[0][1] >= 2.0 and verdicts[1][1] < 2.0
+    assert "capped" not in verdicts[0][2] and "capped at 1 s" in verdicts[1][2]
+    with Engine(SharedStorageConnector(), cfg, tmpdir=f"{tmp_path}/other") as e:
+        assert e.config.transfer_timeout_s == 2.0

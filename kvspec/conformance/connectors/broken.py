@@ -9,11 +9,14 @@ base connector's: each variant claims to conform and does not.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import queue
 import struct
+import threading
 import time
 from collections.abc import Mapping
 from typing import ClassVar
@@ -35,7 +38,7 @@ from kvspec.protocols import (
     SupportsAggregate,
 )
 
-from .layerwise import LayerwiseStorageConnector, LayerwiseStorageScheduler
+from .layerwise import LayerwiseStorageConnector, LayerwiseStorageScheduler, LayerwiseStorageWorker
 from .shared_storage import (
     HANDOFF_PARAM,
     LoadJob,
@@ -48,9 +51,12 @@ from .shared_storage import (
     SharedStorageWorker,
     block_path,
 )
+from .shared_storage import _atomic_write, marker_path  # the store's "stored" markers
+from .shared_storage import _write_block_file  # block file format, write side
 
 __all__ = [
     "AssumesNhdConnector",
+    "AssertsCapacityConnector",
     "AsyncZeroConnector",
     "AveragingStatsConnector",
     "BROKEN_CONNECTORS",
@@ -66,6 +72,7 @@ __all__ = [
     "LeakyDecoderConnector",
     "LeakyJournalConnector",
     "LoadsOverLocalHitConnector",
+    "MutatesParamsConnector",
     "NoSaltConnector",
     "NoSendReportConnector",
     "PickledMetadataConnector",
@@ -75,6 +82,7 @@ __all__ = [
     "UncheckedParamsConnector",
     "UnfencedSavesConnector",
     "UnknownReportConnector",
+    "UnsyncedWriterConnector",
 ]
 
 GHOST_REQUEST_ID = "ghost-request"
@@ -812,7 +820,113 @@ class UnfencedSavesConnector(BrokenConnector):
     worker_class = _UnfencedSavesWorker
 
 
-BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector], str], ...] = tuple(
+# ------------------------------------------------------- issue 35: slips seen from outside
+
+
+class _MutatesParamsScheduler(SharedStorageScheduler):
+    """Marks a hand-off consumed in the request's own ``kv_transfer_params`` once its load
+    is planned, the way vLLM's NIXL connector clears ``do_remote_prefill`` (SCH-012)."""
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        params = request.kv_transfer_params
+        if num_external_tokens and params is not None and HANDOFF_PARAM in params:
+            params[HANDOFF_PARAM] = {"blocks": 0}  # type: ignore[index]  # the slip
+
+
+class MutatesParamsConnector(BrokenConnector):
+    """Breaks SCH-012: once a handed-off request's load is planned, writes into the
+    request's ``kv_transfer_params`` (an idiom of vLLM's own NIXL connector). In vLLM the
+    write silently changes the engine's request; the suite's read-only view refuses it,
+    and the verdict names the contract, not the ``TypeError``."""
+
+    violates = "SCH-012"
+    selection = "test_two_engines and not layout"
+    scheduler_class = _MutatesParamsScheduler
+
+
+class _AssertsCapacityWorker(SharedStorageWorker):
+    """Asserts that the KV tensors hold exactly the engine's block budget."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._budget = config.num_blocks
+
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        assert layout.block_capacity == self._budget, "KV tensors != num_blocks"  # the slip
+        super().register_kv_caches(kv_caches, layout)
+
+
+class AssertsCapacityConnector(BrokenConnector):
+    """Breaks LAY-003: ``register_kv_caches`` asserts that the tensors hold exactly
+    ``num_blocks`` blocks, which fails on over-allocated (kvcached-style) tensors, where
+    capacity and budget are distinct. A bare ``AssertionError`` from connector code is
+    still a crash the suite attributes."""
+
+    violates = "LAY-003"
+    selection = "test_over_allocated_non_restridable_tensors"
+    worker_class = _AssertsCapacityWorker
+
+
+class _UnsyncedWriterWorker(LayerwiseStorageWorker):
+    """``wait_for_save`` hands the persistent save staging itself to a writer thread and
+    returns at once: the CPU form of an asynchronous device-to-host copy with no sync. The
+    writer marks each block stored once its file is written."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._jobs: queue.SimpleQueue[tuple[tuple[str, ...], torch.Tensor] | None] = (
+            queue.SimpleQueue())
+        self._writer = threading.Thread(target=self._write, name="unsynced-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    def wait_for_save(self) -> None:
+        self._slot.get("wait_for_save")
+        keys, self._save_keys = self._save_keys, ()
+        if keys:  # the slip: the staging the next forward's save_kv_layer overwrites
+            self._jobs.put((keys, self._buffers().save_staging[: len(keys)]))
+
+    def _write(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            keys, staging = job
+            for i, key in enumerate(keys):
+                with contextlib.suppress(OSError, ValueError, RuntimeError):
+                    _write_block_file(block_path(self._dir, key, self._rank), key,
+                                      self._rank, staging[i].to("cpu"))
+                    # stored once written, as file-per-block stores often decide it
+                    _atomic_write(marker_path(self._dir, key), (b"stored\n",))
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._writer.join(timeout=5)
+        super().shutdown()
+
+
+class UnsyncedWriterConnector(LayerwiseStorageConnector):
+    """Breaks WRK-013 (through WRK-007): ``wait_for_save`` hands its persistent save
+    staging to a writer thread and returns at once, so the next step's ``save_kv_layer``
+    overwrites the staging before the writer read it, and files hold the next step's bytes
+    under this step's keys; their later loads deliver wrong KV. Caught in every run because
+    the suite holds the connector's threads until the next forward ran
+    (``HarnessConfig.hold_threads``), as a busy machine would."""
+
+    violates: ClassVar[str] = "WRK-013"
+    selection: ClassVar[str] = "test_connector_threads_run_late"
+    worker_class = _UnsyncedWriterWorker
+
+    @property
+    def name(self) -> str:
+        """``"broken-unsynced-writer"``."""
+        return "broken-unsynced-writer"
+
+
+BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
+                               | type[UnsyncedWriterConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
         FullPromptHitConnector,
@@ -837,6 +951,9 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         PipelinedLookupConnector,
         AssumesNhdConnector,
         ReloadsConnector,
+        MutatesParamsConnector,
+        AssertsCapacityConnector,
+        UnsyncedWriterConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

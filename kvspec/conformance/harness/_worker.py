@@ -43,6 +43,7 @@ from kvspec.protocols import (
 
 from ..graphs import CapturedGraph, make_capturer
 
+from ._gate import ThreadGate
 from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
 from .._tracebacks import hide_unless_harness_bug
@@ -97,7 +98,16 @@ class WorkerRuntime:
         hpr = config.heads_per_rank
         self.heads = range(rank * hpr, (rank + 1) * hpr)
         self.model = ToyModel(config.num_layers, config.num_heads, config.head_size, config.head_size)
-        self.connector: WorkerConnector = factory.create_worker(config.engine_view(tmpdir), rank)
+        self.gate = ThreadGate() if config.hold_threads else None
+        if self.gate is not None:  # before the connector starts threads (< 3.12: only those)
+            self.gate.install()
+        try:
+            self.connector: WorkerConnector = factory.create_worker(config.engine_view(tmpdir),
+                                                                    rank)
+        except BaseException:
+            if self.gate is not None:
+                self.gate.uninstall()
+            raise
         self.mode = resolve_graph_mode(config.graph_mode, self.caps.layer_hooks,
                                        strict=config.strict_graphs).effective
         # Persistent buffers: the forward's only inputs (GRA-005).
@@ -130,8 +140,24 @@ class WorkerRuntime:
     # -- messages --------------------------------------------------------------------------
 
     def register(self) -> None:
-        """Register the KV caches (WRK-001), then warm up and capture the configured sizes."""
-        self.connector.register_kv_caches(dict(zip(self.layer_names, self.layers)), self.layout)
+        """Register the KV caches (WRK-001), then warm up and capture the configured sizes.
+        A crash on tensors whose capacity exceeds the budget is LAY-003's: the connector
+        took the tensors' size for the budget (``num_blocks``)."""
+        layout = self.layout
+        try:
+            self.connector.register_kv_caches(dict(zip(self.layer_names, self.layers)), layout)
+        except KVSpecError:
+            raise
+        except Exception as e:
+            if not layout.is_over_allocated:
+                raise  # a crash: ERR-010, named by the report
+            raise ContractViolation(
+                "LAY-003", observed=f"register_kv_caches raised {type(e).__name__}: {e} on "
+                f"tensors with room for {layout.block_capacity} blocks and a budget of "
+                f"num_blocks={layout.num_blocks}",
+                expected="the budget comes from the config (num_blocks), never from the "
+                "tensors' size, which may be larger",
+            ) from e
         if self.mode is not GraphMode.NONE and not self.config.lazy_capture:
             for size in self.config.capture_sizes:
                 self._capture(size)
@@ -174,6 +200,8 @@ class WorkerRuntime:
         lost = self._lost_hooks(plan, self.hook_calls - calls, bool(reqs))
         if plan.start_load and late_start:
             self.connector.start_load_kv(ctx)
+        if self.gate is not None:  # hold_threads: held from here while the engine is busy
+            self.gate.close() if reqs else self.gate.open()
         if plan.wait_for_save:
             self.connector.wait_for_save()
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
@@ -210,6 +238,8 @@ class WorkerRuntime:
 
     def shutdown(self) -> None:
         """Shut the connector down twice: it must be idempotent (WRK-015)."""
+        if self.gate is not None:
+            self.gate.uninstall()
         if not self._closed:
             self._closed = True
             for pieces in self.graphs.values():

@@ -79,6 +79,13 @@ class HarnessConfig:
             connector whose transfer reads them after ``handle_preemptions`` returned then
             reads the poison, which the byte checks name (WRK-012), however the blocks
             would have been reused.
+        hold_threads: Play a busy machine for the connector's own threads (``ThreadGate``):
+            from just before each ``wait_for_save``, every other thread of a worker's
+            process is held at its next Python call until the harness waits in a hook (or
+            idles), at most 0.2 s at a time. A save or store that still reads what the
+            next step overwrites (its preemption fence, poisoning and per-layer saves come
+            first) then reads the new bytes every time, not only when the OS is unlucky
+            (WRK-007, WRK-012). False, the default: threads run freely.
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
@@ -117,6 +124,7 @@ class HarnessConfig:
     token_scale: int = 1
     realloc_after_load: bool = True
     preempted_hold_s: float = 0.0
+    hold_threads: bool = False
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
     hook_budget_s: float = 2.0
@@ -135,6 +143,9 @@ class HarnessConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"HarnessConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.hold_threads, bool):
+            raise InvalidArgumentError(
+                f"HarnessConfig.hold_threads must be a bool, got {self.hold_threads!r}")
         for name in ("extra_capacity", "page_padding"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -136,6 +136,19 @@ class RunResult:
     matched_tokens: Mapping[str, int] = attrs.field(factory=dict)
 
 
+LOST_TRANSFER_CAP_S = 1.0
+"""Once a connector let an awaited transfer (or its pending work) run past
+``transfer_timeout_s`` in one engine, later engines on the same connector class in this
+process wait at most this long: a connector that loses every transfer would otherwise
+cost every test the whole timeout (minutes over a suite run). Verdicts under the cap say
+so."""
+_LOST_TRANSFERS: set[str] = set()
+
+
+def _factory_key(factory: ConnectorFactory) -> str:
+    return f"{type(factory).__module__}.{type(factory).__qualname__}"
+
+
 class Engine:
     """One engine serving workloads through a connector.
 
@@ -159,7 +172,12 @@ class Engine:
         self, factory: ConnectorFactory, config: HarnessConfig | None = None, *,
         tmpdir: str | None = None, factory_spec: str | None = None,
     ) -> None:
-        self.config = config or HarnessConfig()
+        config = config or HarnessConfig()
+        self._capped = (_factory_key(factory) in _LOST_TRANSFERS
+                        and config.transfer_timeout_s > LOST_TRANSFER_CAP_S)
+        if self._capped:  # this connector lost a transfer before: no minutes of waiting again
+            config = attrs.evolve(config, transfer_timeout_s=LOST_TRANSFER_CAP_S)
+        self.config = config
         self.factory = factory
         self.caps = factory.capabilities
         self._own_tmp = tmpdir is None
@@ -317,9 +335,10 @@ class Engine:
         if self._pending_since is None:
             self._pending_since = now
         elif now - self._pending_since > self.config.transfer_timeout_s:
+            capped = self._lost()
             self._violate("SCH-029", "has_pending_work() still True "
                           f"{now - self._pending_since:.1f} s after the last request ended "
-                          f"(step {self.step_id})", "False within a bounded time once the "
+                          f"(step {self.step_id}){capped}", "False within a bounded time once the "
                           f"work ended, failed or timed out (here {self.config.transfer_timeout_s} s)")
         return pending
 
@@ -869,20 +888,29 @@ class Engine:
                 if r.status not in (_S.FINISHED, _S.ABORTED)]
         return "requests not finished: " + (", ".join(left[:8]) or "none")
 
+    def _lost(self) -> str:
+        """Note a transfer given up for lost, so later engines on this connector wait only
+        ``LOST_TRANSFER_CAP_S``; the text says so when this engine's wait was capped."""
+        _LOST_TRANSFERS.add(_factory_key(self.factory))
+        return (f" (capped at {LOST_TRANSFER_CAP_S:g} s: this connector lost a transfer in an "
+                "earlier test of the session)" if self._capped else "")
+
     def _check_awaited(self) -> None:
         now = time.monotonic()
         for (rid, direction), (since_step, since) in list(self.awaited.items()):
             if now - since > self.config.transfer_timeout_s and self.step_id - since_step > 3:
+                capped = self._lost()
                 r = self.requests[rid]
                 if direction is Direction.SEND:
                     self._violate("SCH-016", f"request_finished({rid!r}) returned True but no rank "
                                   f"reported finished_sending within {self.config.transfer_timeout_s}"
-                                  f" s ({self.step_id - since_step} steps)",
+                                  f" s ({self.step_id - since_step} steps){capped}",
                                   "finished_sending from every rank once the blocks are no longer read")
                 clause = "SCH-021" if r.aborted else "SCH-023"
                 self._violate(clause, f"{rid!r} ({'aborted while ' if r.aborted else ''}waiting for "
                               f"remote KV) was not reported in finished_recving by every rank within "
-                              f"{self.config.transfer_timeout_s} s ({self.step_id - since_step} steps)",
+                              f"{self.config.transfer_timeout_s} s ({self.step_id - since_step} steps)"
+                              f"{capped}",
                               "finished_recving from every rank for every started load, even "
                               "failed or aborted ones")
 

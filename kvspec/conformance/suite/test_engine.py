@@ -8,6 +8,8 @@ the clause at the first thing the connector gets wrong.
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,24 @@ class TestEngine(ConformanceSuite):
         assert set(result.finished) | set(result.aborted) == {
             r.request_id for r in SCENARIOS[scenario].requests
         }
+
+    @pytest.mark.kvspec_clause("WRK-007", "WRK-012", "WRK-013")
+    def test_connector_threads_run_late(self, tmp_path: Path) -> None:
+        """The connector's own threads are held from just before each ``wait_for_save``
+        until the next step's forward ran (``hold_threads``: a busy machine, every time),
+        over a long prompt saved in small chunks, then, after the engine idled for half a
+        second (held threads run again after 0.2 s), loaded: a save that goes on reading
+        its step's KV or staging after ``wait_for_save`` returned stores a later step's
+        bytes, which the load delivers (WRK-007, WRK-013)."""
+        prompt = tuple(range(200, 262))
+        cfg = config_for(self.capabilities, prefix_caching=False, max_tokens_per_step=8,
+                         hold_threads=True)
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
+            engine.run(Workload([RequestSpec("long", prompt, max_new_tokens=2)],
+                                name="a long prompt saved in chunks, threads held"))
+            time.sleep(0.5)  # an idle engine: the connector's threads catch up
+            engine.run(Workload([RequestSpec("again", prompt, max_new_tokens=2)],
+                                name="the same prompt again"))
 
     @pytest.mark.kvspec_clause("SCH-014", "SCH-019", "SCH-013", "EXE-001")
     @pytest.mark.parametrize("scenario", ["full-prompt-hit", "aborts", "preemption", "chunked"])
