@@ -9,6 +9,7 @@ base connector's: each variant claims to conform and does not.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -83,6 +84,7 @@ __all__ = [
     "UnfencedSavesConnector",
     "UnknownReportConnector",
     "UnsyncedWriterConnector",
+    "WaitingOutputConnector",
 ]
 
 GHOST_REQUEST_ID = "ghost-request"
@@ -872,6 +874,28 @@ class AssertsCapacityConnector(BrokenConnector):
     worker_class = _AssertsCapacityWorker
 
 
+class _WaitingWorker(SharedStorageWorker):
+    """``get_finished`` waits for every transfer in flight to end before it reports."""
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        for job in (*self._loads.values(), *self._saves.values()):
+            if job.future is not None:
+                concurrent.futures.wait((job.future,))  # the slip: no timeout, engine thread
+        return super().get_finished(finished_req_ids)
+
+
+class WaitingOutputConnector(BrokenConnector):
+    """Breaks WRK-014: ``get_finished`` waits, with no timeout, for every transfer in
+    flight, on the engine's thread: a slow or hung copy stalls every step (and a copy
+    that never returns, the engine)."""
+
+    violates = "WRK-014"
+    selection = "test_output_hooks_never_wait_for_a_slow_transfer"
+    worker_class = _WaitingWorker
+
+
 class _UnsyncedWriterWorker(LayerwiseStorageWorker):
     """``wait_for_save`` hands the persistent save staging itself to a writer thread and
     returns at once: the CPU form of an asynchronous device-to-host copy with no sync. The
@@ -954,6 +978,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         MutatesParamsConnector,
         AssertsCapacityConnector,
         UnsyncedWriterConnector,
+        WaitingOutputConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

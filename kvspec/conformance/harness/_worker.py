@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -204,9 +205,18 @@ class WorkerRuntime:
             self.gate.close() if reqs else self.gate.open()
         if plan.wait_for_save:
             self.connector.wait_for_save()
+        start = time.monotonic()
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
+        took = time.monotonic() - start
         self.connector.clear_connector_metadata()
         violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
+        if took > self.config.hook_budget_s:
+            violations.append({
+                "clause": "WRK-014", "observed": f"the output hooks (get_finished and the other "
+                f"hooks build_connector_output calls) took {took:.2f} s in step {msg['step']}",
+                "expected": f"output hooks that return within {self.config.hook_budget_s:g} s, "
+                "never waiting for a transfer to progress: a transfer that misses its deadline "
+                "is reported failed in a later step (WRK-011)"})
         return out, violations
 
     def padding_step(self, size: int) -> None:

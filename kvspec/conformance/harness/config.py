@@ -90,7 +90,9 @@ class HarnessConfig:
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
         hook_budget_s: Longest a scheduler hook may take before the harness calls it
-            blocking (SCH-025).
+            blocking (SCH-025), and a worker's output hooks (``build_connector_output``:
+            ``get_finished`` and the others) before they count as waiting for a transfer
+            (WRK-014).
         graph_mode: NONE (eager), PIECEWISE or FULL; resolved against the connector's hook
             declaration (GRA-002) by the workers.
         capture_sizes: Padded token counts captured as graphs; a step is padded to the

@@ -72,6 +72,23 @@ class TestFaults(ConformanceSuite):
             "invalid_block_ids (an asynchronous one also reported in finished_recving and "
             "failed_recving), so the engine recomputes them")
 
+    @pytest.mark.kvspec_clause("WRK-014", "WRK-011")
+    @pytest.mark.kvspec_requires("fault_injection")
+    def test_output_hooks_never_wait_for_a_slow_transfer(self, tmp_path: Path) -> None:
+        """Every transfer takes 0.6 s, longer than the 0.3 s this engine allows a worker's
+        output hooks: ``get_finished`` must report each transfer in a step after it ended
+        (or failed), never wait for it on the engine's thread (WRK-014, issue 34). Two
+        prompts are stored, then served again; both passes finish, every byte checked."""
+        cfg = config_for(self.capabilities, prefix_caching=False, hook_budget_s=0.3,
+                         extra={FAULTS_KEY: FaultPlan(delay_s=0.6).to_plain()})
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
+            for name in ("store", "hit"):
+                result = engine.run(Workload([RequestSpec(f"{name}-{i}", p, max_new_tokens=2)
+                                              for i, p in enumerate(_PROMPTS[:2])],
+                                             name=f"{name} pass, slow transfers"),
+                                    max_steps=50_000)
+                assert {f"{name}-0", f"{name}-1"} <= set(result.finished)
+
     @pytest.mark.kvspec_clause("WRK-011", "ERR-008", "SCH-016")
     @pytest.mark.kvspec_requires("fault_injection")
     def test_failed_loads_in_a_hand_off_are_recomputed(self, tmp_path: Path) -> None:
