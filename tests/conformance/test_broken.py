@@ -163,3 +163,54 @@ def test_a_byte_bug_outside_the_graphs_is_not_blamed_on_replay(pytester: pytest.
     assert result.ret == 1, result.stdout.str()[-3000:]
     data = json.loads(report.read_text())
     assert {cid for cid, row in data["clauses"].items() if row["fail"]} == {"WRK-013"}
+
+
+WRITE_THROUGH = '''
+import attrs
+from kvspec.backends.offload import OffloadConnector, OffloadWorker
+
+
+class _Unfenced(OffloadWorker):
+    def handle_preemptions(self, preempted_req_ids):
+        return None  # the slip: stores of preempted requests go on reading their blocks
+
+
+def _through(config):
+    return attrs.evolve(config, extra={**config.extra, "offload_store": "computed"})
+
+
+class WriteThrough(OffloadConnector):
+    def create_scheduler(self, config):
+        return super().create_scheduler(_through(config))
+
+    def create_worker(self, config, rank):
+        return super().create_worker(_through(config), rank)
+
+
+class UnfencedWriteThrough(WriteThrough):
+    worker_class = _Unfenced
+'''
+
+
+@pytest.mark.parametrize(("name", "failed"), [("UnfencedWriteThrough", {"WRK-012"}),
+                                              ("WriteThrough", set())])
+def test_a_connector_without_a_preemption_fence_is_caught_without_the_fault_seam(
+    pytester: pytest.Pytester, name: str, failed: set[str]
+) -> None:
+    """Issue 35: a connector written outside kvspec that stores computed blocks while its
+    request runs (the offload backend with ``offload_store="computed"``) and does not
+    fence those stores in ``handle_preemptions``. The engine test of a request preempted
+    soon after its prompt was computed holds the connector's threads while the engine
+    works (``hold_threads``), so the store is in flight when the engine reuses the blocks,
+    with no help from the fault seam: WRK-012 and no other clause. With its fence, the
+    same connector passes."""
+    pytester.makepyfile(writethrough=WRITE_THROUGH)
+    pytester.syspathinsert()
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        f"--kvspec-conformance=writethrough:{name}", f"--kvspec-report={report}",
+        "-p", "no:cacheprovider", "-k", "test_preempted_while_storing",
+    )
+    assert result.ret == (1 if failed else 0), result.stdout.str()[-3000:]
+    data = json.loads(report.read_text())
+    assert {cid for cid, row in data["clauses"].items() if row["fail"]} == failed

@@ -11,13 +11,13 @@ so the engine's next step runs first, deterministically.
 
 The harness closes the gate just before the ``wait_for_save`` of each step that computed
 tokens, and opens it in steps that compute none (an engine waiting for transfers). A held
-thread is let go, and the gate opened until it is next closed, when the harness waits: a
-held thread watches the harness's thread, and when that thread stays at the same
-instruction for ``stall_s`` (it waits in a hook, for example for the very thread that is
-held; a thread that uses the CPU is not waiting), or when the gate was closed twice more since the thread was held (two steps went
-by), or after ``max_hold_s``. So a connector that waits for its own work is never stopped
-for good; the work of one that does not runs only after the engine went on, past the next
-step's preemption fence, poisoning and forward; and background work always progresses.
+thread is let go, and the gate opened until it is next closed, when the harness waits (a
+held thread watches the harness's thread: one that used under a fifth of ``stall_s`` of
+CPU in ``stall_s`` waits, for example for the very thread that is held), when the gate
+was closed ``_STEPS`` more times since the thread was held (four engine steps went by),
+or after ``max_hold_s``. So a connector that waits for its own work is never stopped for
+good; the work of one that does not runs only after the engine went on, past the next
+steps' preemption fences, poisoning and forwards; and background work always progresses.
 Threads in C code (a copy, a sleep) are not interrupted; they stop when they return to
 Python.
 """
@@ -35,6 +35,8 @@ from typing import Any
 __all__ = ["ThreadGate"]
 
 _HARNESS = os.path.dirname(os.path.abspath(__file__))
+_STEPS = 4
+"""A held thread runs once the gate was closed this many more times (engine steps)."""
 
 
 class ThreadGate:
@@ -46,7 +48,7 @@ class ThreadGate:
         max_hold_s: The longest any thread is held at once.
     """
 
-    def __init__(self, *, stall_s: float = 0.01, max_hold_s: float = 0.2) -> None:
+    def __init__(self, *, stall_s: float = 0.02, max_hold_s: float = 1.0) -> None:
         self._stall_s = stall_s
         self._max_hold_s = max_hold_s
         self._owner = threading.get_ident()
@@ -108,7 +110,7 @@ class ThreadGate:
         while not self._opened.wait(period):
             state = waiting()
             still = still + period if state else 0.0
-            if (still >= self._stall_s or self._window - window >= 2
+            if (still >= self._stall_s or self._window - window >= _STEPS
                     or time.monotonic() >= end or state is None):
                 self.open()  # the harness waits (or is gone): everyone runs
                 return

@@ -82,7 +82,7 @@ class HarnessConfig:
         hold_threads: Play a busy machine for the connector's own threads (``ThreadGate``):
             from just before each ``wait_for_save``, every other thread of a worker's
             process is held at its next Python call until the harness waits in a hook (or
-            idles), at most 0.2 s at a time. A save or store that still reads what the
+            idles), four engine steps or 1 s at most. A save or store that still reads what the
             next step overwrites (its preemption fence, poisoning and per-layer saves come
             first) then reads the new bytes every time, not only when the OS is unlucky
             (WRK-007, WRK-012). False, the default: threads run freely.

@@ -86,6 +86,28 @@ class TestEngine(ConformanceSuite):
             engine.run(Workload([RequestSpec("again", prompt, max_new_tokens=2)],
                                 name="the same prompt again"))
 
+    @pytest.mark.kvspec_clause("WRK-012", "SCH-022", "WRK-013")
+    def test_preempted_while_storing(self, tmp_path: Path) -> None:
+        """A long prompt and, a step later, a short one that decodes into more blocks than
+        the engine has left, so a running request is preempted soon after its prompt
+        blocks were computed, with the connector's threads held (``hold_threads``): a
+        store of those blocks (as vLLM's offloading connector makes while a request runs)
+        is still in flight when ``handle_preemptions`` returns and the engine poisons,
+        then reuses, the blocks. A connector that does not fence it stores what the
+        engine wrote there since, which the same prompts, served again, load (WRK-012)."""
+        prompts = [tuple(range(50 * i, 50 * i + n)) for i, n in enumerate((17, 9))]
+        cfg = config_for(self.capabilities, prefix_caching=False, num_blocks=10,
+                         hold_threads=True)
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
+            engine.run(Workload(
+                [RequestSpec(f"grow{i}", p, max_new_tokens=n, arrival_step=i)
+                 for i, (p, n) in enumerate(zip(prompts, (3, 8)))],
+                name="a running request preempted, its store held"), max_steps=50_000)
+            time.sleep(0.3)  # an idle engine: the connector's threads catch up
+            engine.run(Workload(
+                [RequestSpec(f"again{i}", p, max_new_tokens=2) for i, p in enumerate(prompts)],
+                name="the same prompts again"), max_steps=50_000)
+
     @pytest.mark.kvspec_clause("SCH-014", "SCH-019", "SCH-013", "EXE-001")
     @pytest.mark.parametrize("scenario", ["full-prompt-hit", "aborts", "preemption", "chunked"])
     def test_async_scheduling(self, scenario: str, tmp_path: Path) -> None:
