@@ -557,3 +557,26 @@ def test_after_a_lost_transfer_later_engines_wait_only_the_cap(
     assert "capped" not in verdicts[0][2] and "capped at 1 s" in verdicts[1][2]
     with Engine(SharedStorageConnector(), cfg, tmpdir=f"{tmp_path}/other") as e:
         assert e.config.transfer_timeout_s == 2.0
+
+
+def test_a_preempted_request_queues_behind_requests_whose_loads_ended() -> None:
+    """CI at df5c010: the 'preemption' scenario ran out of steps about one run in eight on a
+    busy machine, whatever the connector. Two requests whose async loads had ended waited
+    holding 6 of the 11 blocks; the preempted request, queued before them, took the other
+    4, needed a fifth, preempted itself, and did so again every step. It now queues behind
+    the requests that hold loaded blocks, which can run and free them."""
+    from kvspec.protocols import RequestStatus
+
+    with Engine(NullConnector(), HarnessConfig(num_blocks=12)) as e:
+        for rid in ("loaded", "victim", "new"):
+            e.add_request(RequestSpec(rid, tuple(range(13))))
+        loaded, victim = e.requests["loaded"], e.requests["victim"]
+        loaded.recv_done, loaded.blocks = True, e.pool.allocate(3) or []
+        e.waiting.remove(victim)
+        victim.status, victim.blocks = RequestStatus.RUNNING, e.pool.allocate(4) or []
+        e.running.append(victim)
+        e._preempt(victim, [])
+        assert [r.rid for r in e.waiting] == ["loaded", "victim", "new"]
+        assert e.pool.num_free == 7 and victim.status is RequestStatus.PREEMPTED
+        e.run(Workload([]))  # and the three run to completion
+        assert {r.status for r in e.requests.values()} == {RequestStatus.FINISHED}

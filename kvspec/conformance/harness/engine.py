@@ -647,7 +647,11 @@ class Engine:
         # Queued again as PREEMPTED, as vLLM 0.32 does, until it runs: connectors read the
         # status (LMCache's MP connector tells a resumed request from a failed load by it).
         self._transition(r, _S.PREEMPTED)
-        self.waiting.appendleft(r)
+        # First in line, but behind the requests whose loads ended: those hold their blocks
+        # while they wait, and a preempted request served before them in a tight pool can
+        # take the last free blocks, preempt itself, and do so again every step (livelock).
+        at = next((i for i, w in enumerate(self.waiting) if not w.recv_done), len(self.waiting))
+        self.waiting.insert(at, r)
         preempted.append(r.rid)
         self._preemptions += 1
 
