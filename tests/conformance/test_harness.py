@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvspec.conformance.connectors.null import NullConnector, NullWorker
+from kvspec.conformance.connectors.null import NullConnector, NullMetadata, NullWorker
 from kvspec.conformance.connectors.shared_storage import SharedStorageConnector
 from kvspec.conformance.harness import (
     Engine,
@@ -512,6 +512,53 @@ def test_each_poison_found_in_a_loaded_block_names_its_clause(
         assert v["clause"] == clause, v
     finally:
         rt.shutdown()
+
+
+@pytest.mark.parametrize(("whose", "clause"), [
+    ("own", "WRK-011"), ("other", "WRK-013"), ("preempted", "WRK-012"),
+])
+def test_allocation_poison_tells_whose_never_written_bytes_were_loaded(
+    tmp_path: os.PathLike[str], whose: str, clause: str
+) -> None:
+    """Issue 35: every step's allocations get their own poison value (``alloc_poison``).
+    Loading the block's own allocation poison means the load never wrote it (WRK-011);
+    another allocation's means the connector stored bytes it read late, from blocks the
+    engine had handed out since (WRK-013), or reallocated after a preemption (WRK-012).
+    One shared value made both races read as 'never written', whichever run won."""
+    from kvspec.conformance.harness import _worker
+
+    rt = _worker.WorkerRuntime(NullConnector(), HarnessConfig(), 0, str(tmp_path))
+    rt.register()
+    try:
+        empty = {"step": 0, "sync_loads": False, "poison_freed": [], "poison_preempted": [],
+                 "poison_alloc": [], "preempted": [], "finished": [], "reqs": []}
+        rt.step({**empty, "step": 3, "poison_preempted": [7]}, NullMetadata())
+        rt.step({**empty, "step": 4, "poison_alloc": [7, 9]}, NullMetadata())
+        rt.step({**empty, "step": 6, "poison_alloc": [3, 5]}, NullMetadata())
+        found = {"own": 6, "other": 4, "preempted": 4}[whose]
+        if whose == "other":
+            rt._reused.clear()
+        assert _worker.alloc_poison(4) != _worker.alloc_poison(6)
+        got = torch.full((8, 4, 4), float(_worker.alloc_poison(found)))
+        r = {"id": "r", "blocks": [3, 5], "ext": (4, 8), "tokens": list(range(9))}
+        v = rt._attribute(r, [], 5, 0, got, torch.zeros(8, 4, 4))
+        assert v["clause"] == clause, v
+    finally:
+        rt.shutdown()
+
+
+def test_allocation_poisons_are_exact_and_outside_the_models_values() -> None:
+    """Every step's value survives bfloat16 and float16 exactly, differs from the other
+    poisons and the toy model's range, and repeats only after more steps than a run has."""
+    from kvspec.conformance.harness import _worker
+
+    values = [_worker.alloc_poison(s) for s in range(len(_worker._ALLOC_VALUES))]
+    assert len(set(values)) == len(values) > 500
+    assert not {_worker.FREED_POISON, _worker.PREEMPTED_POISON} & set(values)
+    assert all(abs(v) > 100 for v in values)
+    for dtype in (torch.bfloat16, torch.float16):
+        t = torch.tensor(values, dtype=torch.float32)
+        assert torch.equal(t.to(dtype).to(torch.float32), t)
 
 
 def test_a_run_out_of_steps_names_the_requests_left() -> None:

@@ -99,10 +99,6 @@ class BrokenConnector(SharedStorageConnector):
 
     violates: ClassVar[str] = ""
     """The ID of the one clause the variant breaks."""
-    symptoms: ClassVar[frozenset[str]] = frozenset()
-    """Clauses a verdict may name instead, where a race decides which bytes the load
-    delivers: another step's KV (``violates``) or a block's poison, which reads as never
-    written (WRK-011)."""
     selection: ClassVar[str] = "test_scenario and no-local-cache"
     """The ``-k`` expression of the suite tests that catch it (tests/conformance)."""
 
@@ -823,7 +819,6 @@ class UnfencedSavesConnector(BrokenConnector):
     (whose slow transfers catch it too)."""
 
     violates = "WRK-012"
-    symptoms = frozenset({"WRK-011"})
     selection = "test_preempted_while_storing"
     scheduler_class = _EagerSavesScheduler
     worker_class = _UnfencedSavesWorker
@@ -947,7 +942,6 @@ class UnsyncedWriterConnector(LayerwiseStorageConnector):
     (``HarnessConfig.hold_threads``), as a busy machine would."""
 
     violates: ClassVar[str] = "WRK-013"
-    symptoms: ClassVar[frozenset[str]] = frozenset({"WRK-011"})
     selection: ClassVar[str] = "test_connector_threads_run_late"
     worker_class = _UnsyncedWriterWorker
 

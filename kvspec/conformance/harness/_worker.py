@@ -55,7 +55,27 @@ __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not the
 FREED_POISON = POISON
 """Written into blocks the engine freed; loading it back proves a read after free."""
 ALLOC_POISON = POISON + 2
-"""Written into blocks as they are allocated; finding it means nobody wrote the block."""
+"""Written into blocks before the first step (``alloc_poison(0)``); finding it means
+nobody wrote the block."""
+_ALLOC_VALUES: tuple[int, ...] = (
+    ALLOC_POISON,
+    *range(120, 257), *range(-120, -257, -1),  # every integer here is exact in bfloat16
+    *range(258, 513, 2), *range(-258, -513, -2),  # and every even one here
+)
+"""One value per step (``alloc_poison``), none the toy model produces (it stays within
+[-100, 100]) and none another poison uses: 531 steps before a value comes round again,
+more than a run's ``max_steps``."""
+
+
+def alloc_poison(step: int) -> int:
+    """The value written into the blocks allocated for ``step``. Found in a loaded block,
+    it tells *which* allocation's never-written bytes were loaded: the block's own (the load
+    never wrote it, WRK-011) or another block's, copied from where the connector read them
+    late (wrong bytes, WRK-013; a preempted block's, WRK-012)."""
+    return _ALLOC_VALUES[step % len(_ALLOC_VALUES)]
+
+
+_ALLOC_SET = frozenset(float(v) for v in _ALLOC_VALUES)
 PREEMPTED_POISON = POISON + 4
 """Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
 loading it back proves a transfer that still read them (WRK-012)."""
@@ -135,6 +155,9 @@ class WorkerRuntime:
         # since: a load that delivers one of those read the block after handle_preemptions
         # returned (WRK-012), though the poison was overwritten by then.
         self._reused: dict[int, list[int]] = {}
+        # each block's last allocation poison, and the blocks that got each value
+        self._alloc_value: dict[int, int] = {}
+        self._alloc_blocks: dict[int, set[int]] = {}
         self._closed = False
         self._forward(ForwardKind.PROFILE, self.t_max)  # before registration: no hook (DRY-002)
 
@@ -175,8 +198,12 @@ class WorkerRuntime:
             self._reused[b] = self._reused.pop(b, [])  # the most recent last
             if len(self._reused) > _WATCHED_BLOCKS:
                 del self._reused[next(iter(self._reused))]
-        for b in msg["poison_alloc"]:
-            self._poison(b, ALLOC_POISON)
+        if msg["poison_alloc"]:
+            value = alloc_poison(msg["step"])
+            for b in msg["poison_alloc"]:
+                self._poison(b, value)
+                self._alloc_value[b] = value
+            self._alloc_blocks[value] = set(msg["poison_alloc"])
         reqs = msg["reqs"]
         tokens = sum(r["n"] for r in reqs)
         size = self._padded(tokens)
@@ -481,7 +508,24 @@ class WorkerRuntime:
                     f"{self.layout.order.value} / {self.layout.packing.value} one",
                     "expected": "byte offsets taken from the layout descriptor registered with "
                     "the tensors (stride order, K/V packing, page pitch), nothing assumed"}
-        if loaded and bool((got == ALLOC_POISON).all()):
+        value = float(got.flatten()[0])
+        poisoned = bool((got == value).all()) and value in _ALLOC_SET
+        own = self._alloc_value.get(block, ALLOC_POISON)
+        if loaded and poisoned and value != own:
+            others = self._alloc_blocks.get(int(value), set())
+            if others & self._reused.keys():
+                return {"clause": "WRK-012", "observed": f"{where} was loaded with the poison "
+                        f"the engine wrote into blocks {sorted(others & self._reused.keys())} "
+                        "when it reallocated them after a preemption: a transfer read the "
+                        "preempted request's blocks after handle_preemptions returned",
+                        "expected": "handle_preemptions returns only once no transfer reads "
+                        "or writes the preempted requests' blocks"}
+            return {"clause": "WRK-013", "observed": f"{where} was loaded with the never-"
+                    f"written bytes of another allocation (blocks {sorted(others)[:8]}, not "
+                    "this block's own): what was stored for these tokens came from other "
+                    "blocks, or from a buffer the next step had already overwritten",
+                    "expected": "loaded KV byte-identical to the KV saved for the same tokens"}
+        if loaded and poisoned:
             clause = "WRK-005" if self.caps.layer_hooks is HookGraphMode.EAGER else "WRK-011"
             return {"clause": clause, "observed": f"{where} was never written although its load "
                     "was reported finished (or its layer's wait returned)", "expected": "a load "
