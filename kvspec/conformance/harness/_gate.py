@@ -12,8 +12,9 @@ so the engine's next step runs first, deterministically.
 The harness closes the gate just before the ``wait_for_save`` of each step that computed
 tokens, and opens it in steps that compute none (an engine waiting for transfers). A held
 thread is let go, and the gate opened until it is next closed, when the harness waits (a
-held thread watches the harness's thread: one that used under a fifth of ``stall_s`` of
-CPU in ``stall_s`` waits, for example for the very thread that is held), when the gate
+held thread watches the harness's thread: one asleep for ``stall_s`` waits, for example
+for the very thread that is held, while one that is runnable but starved of a core by a
+busy machine does not), when the gate
 was closed ``_STEPS`` more times since the thread was held (four engine steps went by),
 or after ``max_hold_s``. So a connector that waits for its own work is never stopped for
 good; the work of one that does not runs only after the engine went on, past the next
@@ -52,6 +53,7 @@ class ThreadGate:
         self._stall_s = stall_s
         self._max_hold_s = max_hold_s
         self._owner = threading.get_ident()
+        self._owner_native = threading.get_native_id()
         self._closed = False  # read on every profiled event: a plain attribute
         self._opened = threading.Event()
         self._opened.set()
@@ -66,6 +68,7 @@ class ThreadGate:
             return
         self._installed = True
         self._owner = threading.get_ident()
+        self._owner_native = threading.get_native_id()
         setprofile_all = getattr(threading, "setprofile_all_threads", None)  # Python 3.12+
         if setprofile_all is not None:
             setprofile_all(self._profile)
@@ -117,9 +120,15 @@ class ThreadGate:
 
     def _waiting_probe(self) -> Callable[[], bool | None]:
         """A function telling whether the harness's thread waits now (True), works
-        (False) or is gone (None). Where the OS gives a thread's CPU clock, a thread that
+        (False) or is gone (None). Where Linux shows the thread's scheduler state, a thread
+        asleep (``S``: on a lock, an event, a sleep) waits, and one running or runnable does
+        not: a harness thread starved of a core by a busy machine is not waiting, and the
+        race stays decided. Else, where the OS gives a thread's CPU clock, a thread that
         used under a fifth of the time since the last call waits; else one whose frame
         and instruction did not change, outside the harness's own code, does."""
+        by_state = self._state_probe()
+        if by_state is not None:
+            return by_state
         owner = self._owner
         try:
             clock = time.pthread_getcpuclockid(owner)
@@ -138,6 +147,20 @@ class ThreadGate:
             return idle
 
         return by_cpu
+
+    def _state_probe(self) -> Callable[[], bool | None] | None:
+        path = f"/proc/self/task/{self._owner_native}/stat"
+
+        def state() -> bool | None:
+            try:
+                with open(path, "rb") as f:
+                    stat = f.read()
+            except OSError:
+                return None  # the thread ended
+            # "pid (comm) S ...": the state follows the last ')' (comm may hold one)
+            return stat[stat.rindex(b")") + 2: stat.rindex(b")") + 3] == b"S"
+
+        return state if state() is not None else None
 
     def _frame_probe(self) -> Callable[[], bool | None]:
         owner = self._owner
