@@ -158,7 +158,7 @@ def _find_violation(exc: BaseException) -> ContractViolation | None:
     if hook is None:
         return None
     text = str(exc).strip().splitlines()
-    if hook.rsplit(".", 1)[-1] in _SCHEDULER_HOOKS and _is_mutation(exc):
+    if hook.rsplit(".", 1)[-1] in _scheduler_hooks() and _is_mutation(exc):
         return violation_cls(
             "SCH-012", observed=f"{hook} tried to change an input the engine owns "
             f"({type(exc).__name__}: {text[0][:300] if text else ''}); the suite hands views "
@@ -174,13 +174,20 @@ def _find_violation(exc: BaseException) -> ContractViolation | None:
     )
 
 
-_SCHEDULER_HOOKS = frozenset({
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "on_new_request", "request_finished", "update_connector_output", "take_events",
-    "get_finished_count", "set_xfer_handshake_metadata", "bind_block_references",
-    "has_pending_work",
-})
-"""Scheduler-role hooks: a write to one of their inputs breaks SCH-012."""
+def _scheduler_hooks() -> frozenset[str]:
+    """Scheduler-role hooks, read off the Protocol (a write to one of their inputs breaks
+    SCH-012); imported on first use, as this module imports nothing heavy."""
+    global _SCHEDULER_HOOKS
+    if _SCHEDULER_HOOKS is None:
+        from kvspec.protocols import SchedulerConnector
+
+        _SCHEDULER_HOOKS = frozenset(
+            n for n in dir(SchedulerConnector)
+            if not n.startswith("_") and callable(getattr(SchedulerConnector, n)))
+    return _SCHEDULER_HOOKS
+
+
+_SCHEDULER_HOOKS: frozenset[str] | None = None
 _READ_ONLY = ("'mappingproxy' object", "'tuple' object", "'frozenset' object")
 _WRITES = ("does not support item assignment", "does not support item deletion",
            *(f"has no attribute '{m}'" for m in (

@@ -322,6 +322,8 @@ class OffloadWorker(WorkerConnector):
             return
         layer = self._layer_of.get(layer_name)
         for j in self._pipelined:
+            if j.cancelled:
+                continue  # past its deadline already: failed once, not again per layer
             done = j.layers[layer] if layer is not None else None
             if done is not None and not done.wait(max(0.0, j.deadline - time.monotonic())):
                 self._cancel(j)  # reported failed by get_finished
