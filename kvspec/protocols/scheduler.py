@@ -122,6 +122,21 @@ class SchedulerConnector(Protocol):
         """
         return False, None
 
+    def request_finished_all_groups(
+        self, request: RequestView, blocks: AllocatedBlocks
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        """``request_finished`` for an engine with several KV-cache groups: ``blocks`` holds
+        every group's block ids, null positions included (KVG-006, KVG-004).
+
+        When: instead of ``request_finished``, exactly once per request that had blocks,
+        when the engine runs more than one group (vLLM's ``SupportsHMA``).
+        Must return what ``request_finished`` returns; a delayed free holds the blocks of
+        every group until ``finished_sending`` (KVG-006).
+        Default: ``request_finished(request, blocks.block_ids(0))``: a connector that
+        declares several groups and stores at finish overrides it.
+        """
+        return self.request_finished(request, blocks.block_ids(0))
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Consume the aggregated worker output of one executed step.
 

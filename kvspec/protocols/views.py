@@ -18,6 +18,7 @@ import attrs
 import msgspec
 
 from .errors import InvalidArgumentError, InvalidBlockIdError
+from .groups import GroupKind, KVCacheGroup, check_groups
 
 __all__ = [
     "AllocatedBlocks",
@@ -674,6 +675,18 @@ class ForwardContextView:
             )
 
 
+def _groups_tuple(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _v_groups(_: object, attr: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(g, KVCacheGroup) for g in value):
+        raise InvalidArgumentError(
+            f"kv_cache_groups must be a tuple of KVCacheGroup, got {value!r}", clause="KVG-001")
+    if value:
+        check_groups(value, frozenset(GroupKind), len(value))  # each layer in one group
+
+
 @attrs.frozen
 class EngineConfigView:
     """The engine configuration a connector factory receives.
@@ -690,6 +703,11 @@ class EngineConfigView:
         async_scheduling: The engine builds step N+1's metadata before step N's output
             arrives (vLLM's ``scheduler_config.async_scheduling``, SCH-014). A connector
             may adapt to it; its matches for the same stored data must not change (SCH-014).
+        kv_cache_groups: The model's KV-cache groups, in the order of the block-id lists
+            every ``AllocatedBlocks`` carries (KVG-001); empty (the default) for one
+            full-attention group of every layer. A connector reads a group's kind, window
+            and layers here, skips its null positions (KVG-004) and moves, per group, the
+            blocks ``KVCacheGroup.needed_blocks`` names (KVG-003).
     """
 
     engine_id: str = attrs.field(validator=_v_req_id)
@@ -701,6 +719,14 @@ class EngineConfigView:
     pp_size: int = attrs.field(default=1, validator=_v_positive)
     extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra)
     async_scheduling: bool = attrs.field(default=False, validator=_is(bool))
+    kv_cache_groups: tuple[KVCacheGroup, ...] = attrs.field(
+        default=(), converter=_groups_tuple, validator=_v_groups)
+
+    @property
+    def num_groups(self) -> int:
+        """How many KV-cache groups the engine gives each request's blocks in (1 without
+        ``kv_cache_groups``)."""
+        return len(self.kv_cache_groups) or 1
 
     @property
     def world_size(self) -> int:

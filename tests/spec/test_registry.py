@@ -76,9 +76,6 @@ def test_clause_ids_cited_in_the_code_exist() -> None:
 
 PENDING_MUST: dict[str, str] = {
     # Clauses no test or harness check covers yet; listed in docs/spec/index.md too.
-    "KVG-004": "the harness has one KV-cache group: no null block positions to skip",
-    "KVG-005": "needs the hybrid harness (several groups); one group reports block ids",
-    "KVG-006": "needs the hybrid harness and request_finished_all_groups in the adapter",
 }
 
 

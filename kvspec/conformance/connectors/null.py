@@ -26,6 +26,7 @@ from kvspec.protocols import (
     ConnectorMetadata,
     EngineConfigView,
     ForwardContextView,
+    GroupKind,
     InvalidArgumentError,
     KVCacheLayout,
     KVConnectorOutput,
@@ -283,8 +284,9 @@ class NullConnector(ConnectorFactory):
 
     @property
     def capabilities(self) -> Capabilities:
-        """The default ``Capabilities``."""
-        return Capabilities()
+        """The default ``Capabilities``, and any KV-cache groups (it moves no block of
+        any, KVG-002)."""
+        return Capabilities(group_kinds=frozenset(GroupKind), kv_cache_groups=4)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
         """Build a ``NullScheduler``."""

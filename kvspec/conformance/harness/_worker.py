@@ -34,6 +34,7 @@ from kvspec.protocols import (
     HookPlacement,
     KVConnectorOutput,
     KVPacking,
+    NULL_BLOCK_ID,
     KVSpecError,
     MalformedMetadataError,
     MetadataBinding,
@@ -76,6 +77,9 @@ def alloc_poison(step: int) -> int:
 
 
 _ALLOC_SET = frozenset(float(v) for v in _ALLOC_VALUES)
+NULL_POISON = POISON + 6
+"""Written into the null block of a hybrid model (KVG-004): finding it in loaded KV proves a
+store that read a skipped position; a null block that no longer holds it was written."""
 PREEMPTED_POISON = POISON + 4
 """Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
 loading it back proves a transfer that still read them (WRK-012)."""
@@ -114,7 +118,7 @@ class WorkerRuntime:
         self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype, device=dev)
         self.buffer.fill_(ALLOC_POISON)
         view = self.layout.view(self.buffer)
-        self.layer_names = tuple(f"model.layers.{i}.attn" for i in range(config.num_layers))
+        self.layer_names = config.layer_names
         self.layers = [view[i] for i in range(config.num_layers)]
         hpr = config.heads_per_rank
         self.heads = range(rank * hpr, (rank + 1) * hpr)
@@ -135,11 +139,15 @@ class WorkerRuntime:
         pad, chans = config.pad_block, 2 * config.head_size
         self.t_max = max(config.max_tokens_per_step, *config.capture_sizes)
         self.r_max = config.num_blocks * config.block_size
-        self.slot_block = torch.full((self.t_max,), pad, dtype=torch.int64, device=dev)
+        # one slot and read table per KV-cache group (a hybrid model's layers index their
+        # own group's blocks, HarnessConfig.sliding_window)
+        self._group = [config.group_of_layer(i) for i in range(config.num_layers)]
+        groups = max(self._group) + 1
+        self.slot_block = torch.full((groups, self.t_max), pad, dtype=torch.int64, device=dev)
         self.slot_off = torch.zeros(self.t_max, dtype=torch.int64, device=dev)
         self.vals = torch.zeros(config.num_layers, self.t_max, hpr, chans, dtype=self.layout.dtype,
                                 device=dev)
-        self.read_block = torch.full((self.r_max,), pad, dtype=torch.int64, device=dev)
+        self.read_block = torch.full((groups, self.r_max), pad, dtype=torch.int64, device=dev)
         self.read_off = torch.zeros(self.r_max, dtype=torch.int64, device=dev)
         self.read_out = torch.zeros(config.num_layers, self.r_max, hpr, chans,
                                     dtype=self.layout.dtype, device=dev)
@@ -168,6 +176,8 @@ class WorkerRuntime:
         A crash on tensors whose capacity exceeds the budget is LAY-003's: the connector
         took the tensors' size for the budget (``num_blocks``)."""
         layout = self.layout
+        if self.config.sliding_window is not None:  # the null block: nobody writes it (KVG-004)
+            self._poison(NULL_BLOCK_ID, NULL_POISON)
         try:
             self.connector.register_kv_caches(dict(zip(self.layer_names, self.layers)), layout)
         except KVSpecError:
@@ -237,6 +247,7 @@ class WorkerRuntime:
         took = time.monotonic() - start
         self.connector.clear_connector_metadata()
         violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
+        violations += self._null_block_written(msg["step"])
         if took > self.config.hook_budget_s:
             violations.append({
                 "clause": "WRK-014", "observed": f"the output hooks (get_finished and the other "
@@ -310,15 +321,17 @@ class WorkerRuntime:
     def _attention(self, layer: int, size: int) -> None:
         """Read the whole cache through the read buffers, then write this step's KV."""
         t = self.layers[layer]
-        blocks, offs, vals = self.slot_block[:size], self.slot_off[:size], self.vals[layer, :size]
+        g = self._group[layer]
+        blocks, offs, vals = self.slot_block[g, :size], self.slot_off[:size], self.vals[layer, :size]
+        read = self.read_block[g]
         if self.layout.packing is KVPacking.SPLIT:
             d = self.config.head_size
-            kv = t[:, self.read_block, :, self.read_off, :]  # [R, 2, H, D]
+            kv = t[:, read, :, self.read_off, :]  # [R, 2, H, D]
             self.read_out[layer].copy_(torch.cat([kv[:, 0], kv[:, 1]], dim=-1))
             t[0, blocks, :, offs, :] = vals[..., :d]
             t[1, blocks, :, offs, :] = vals[..., d:]
         else:
-            self.read_out[layer].copy_(t[self.read_block, :, self.read_off, :])
+            self.read_out[layer].copy_(t[read, :, self.read_off, :])
             t[blocks, :, offs, :] = vals
 
     def _mlp(self, layer: int, size: int) -> None:
@@ -394,17 +407,20 @@ class WorkerRuntime:
         """Fill the persistent buffers for this step's tokens; return each request's reads."""
         bs, pad = self.config.block_size, self.config.pad_block
         slot_b: list[int] = []
+        slot_w: list[int] = []  # the window group's (hybrid)
         slot_o: list[int] = []
         read_b: list[int] = []
+        read_w: list[int] = []
         read_o: list[int] = []
         reads: list[tuple[Mapping[str, Any], list[int], int]] = []
         vals: list[torch.Tensor] = []
         for r in reqs:
             s, e = r["start"], r["start"] + r["n"]
             hashes = prefix_hashes(tuple(r["tokens"]), r["seed"])
-            blocks = r["blocks"]
+            blocks, window = r["blocks"], r.get("window") or r["blocks"]
             for p in range(s, e):
                 slot_b.append(blocks[p // bs])
+                slot_w.append(window[p // bs])
                 slot_o.append(p % bs)
                 written = self._reused.get(blocks[p // bs])
                 if written is not None and len(written) < _WATCHED_WRITES:
@@ -412,6 +428,7 @@ class WorkerRuntime:
             reads.append((r, hashes, len(read_b)))
             for p in range(s):
                 read_b.append(blocks[p // bs])
+                read_w.append(window[p // bs])  # the null block, out of the window
                 read_o.append(p % bs)
             vals.append(torch.stack([self.model.kv(hashes[s:e], layer, self.heads)
                                      for layer in range(self.config.num_layers)]))
@@ -422,11 +439,15 @@ class WorkerRuntime:
         self.read_off.zero_()
         self.vals.zero_()
         if n:
-            self.slot_block[:n] = torch.tensor(slot_b)
+            self.slot_block[0, :n] = torch.tensor(slot_b)
+            if len(self.slot_block) > 1:
+                self.slot_block[1, :n] = torch.tensor(slot_w)
             self.slot_off[:n] = torch.tensor(slot_o)
             self.vals[:, :n] = torch.cat(vals, dim=1).to(self.layout.dtype)
         if m:
-            self.read_block[:m] = torch.tensor(read_b)
+            self.read_block[0, :m] = torch.tensor(read_b)
+            if len(self.read_block) > 1:
+                self.read_block[1, :m] = torch.tensor(read_w)
             self.read_off[:m] = torch.tensor(read_o)
         return reads
 
@@ -444,12 +465,15 @@ class WorkerRuntime:
                 s = r["start"]
                 if s == 0:
                     continue
+                if self._group[layer]:  # the window group: its own blocks, null ones unread
+                    r = {**r, "blocks": r["window"]}
                 got = read_out[layer, at : at + s]
                 want = self.model.kv(hashes[:s], layer, self.heads).to(self.layout.dtype)
                 if torch.equal(got, want):
                     continue
                 bad = (got != want).flatten(1).any(dim=1).nonzero().flatten().tolist()
-                bad = [p for p in bad if r["blocks"][p // bs] not in invalid]
+                bad = [p for p in bad if r["blocks"][p // bs] not in invalid
+                       and not (self._group[layer] and r["blocks"][p // bs] == NULL_BLOCK_ID)]
                 if bad:
                     p = bad[0]
                     v = self._attribute(r, hashes, p, layer, got, want)
@@ -459,6 +483,22 @@ class WorkerRuntime:
                              f"{self.mode.value} graph", "expected": "replay moving the same bytes "
                              "as the same step run eagerly (no decision frozen at capture, GRA-004)"}
                     return [v]
+        return []
+
+    def _null_block_written(self, step: int) -> list[dict[str, str]]:
+        """KVG-004: with several groups, the null block still holds its poison after the
+        step (the engine's forward never writes it; only a connector can)."""
+        if self.config.sliding_window is None:
+            return []
+        for layer, t in enumerate(self.layers):
+            block = t[:, NULL_BLOCK_ID] if self.layout.packing is KVPacking.SPLIT \
+                else t[NULL_BLOCK_ID]
+            if not bool((block == NULL_POISON).all()):
+                return [{"clause": "KVG-004", "observed": f"the null block {NULL_BLOCK_ID} of "
+                         f"layer {layer}, rank {self.rank} was written during step {step}: a "
+                         "transfer wrote a position of the window group the engine had "
+                         "skipped", "expected": "positions holding the null block skipped: "
+                         "never read, never written"}]
         return []
 
     @property
@@ -482,6 +522,12 @@ class WorkerRuntime:
                     "engine writes into freed blocks: the connector read blocks after "
                     "request_finished returned False", "expected": "no read of a request's "
                     "blocks after request_finished returned False"}
+        if loaded and bool((got == NULL_POISON).all()):
+            return {"clause": "KVG-004", "observed": f"{where} was loaded with the null block's "
+                    "bytes: what was stored for these tokens was read from a position the "
+                    "engine had skipped (the null block)", "expected": "positions holding the "
+                    "null block never read or written; a store keeps only the blocks the "
+                    "window still holds"}
         if loaded and bool((got == PREEMPTED_POISON).all()):
             return {"clause": "WRK-012", "observed": f"{where} was loaded with the poison the "
                     "engine writes into the blocks of preempted requests once "

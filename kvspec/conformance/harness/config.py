@@ -12,7 +12,9 @@ import torch
 from kvspec.protocols import (
     EngineConfigView,
     GraphMode,
+    GroupKind,
     InvalidArgumentError,
+    KVCacheGroup,
     KVCacheLayout,
     KVPacking,
     StrideOrder,
@@ -86,6 +88,12 @@ class HarnessConfig:
             next step overwrites (its preemption fence, poisoning and per-layer saves come
             first) then reads the new bytes every time, not only when the OS is unlucky
             (WRK-007, WRK-012). False, the default: threads run freely.
+        sliding_window: A hybrid model (KVG-001): the odd layers form a second KV-cache
+            group, of sliding-window attention over this many tokens, with a block table
+            of its own whose out-of-window positions the engine frees and points at the
+            null block 0, as vLLM's hybrid allocator does (KVG-003, KVG-004). None (the
+            default): one full-attention group. Needs ``num_layers >= 2`` and no local
+            prefix cache (``prefix_caching=False``: the hybrid prefix cache is not modelled).
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
@@ -127,6 +135,7 @@ class HarnessConfig:
     realloc_after_load: bool = True
     preempted_hold_s: float = 0.0
     hold_threads: bool = False
+    sliding_window: int | None = None
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
     hook_budget_s: float = 2.0
@@ -177,6 +186,32 @@ class HarnessConfig:
                 f"HarnessConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.num_blocks < 2:
             raise InvalidArgumentError("num_blocks must be >= 2: the last block pads dummy runs")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1
+                              or self.num_layers < 2 or self.prefix_caching):
+            raise InvalidArgumentError(
+                f"HarnessConfig.sliding_window must be None or an int >= 1 with num_layers "
+                f">= 2 and prefix_caching=False, got {w!r} ({self.num_layers} layers, "
+                f"prefix_caching={self.prefix_caching})")
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """The layers' names, as the workers register them."""
+        return tuple(f"model.layers.{i}.attn" for i in range(self.num_layers))
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The model's groups (KVG-001): none (one full group) without ``sliding_window``;
+        else the even layers' full-attention group and the odd layers' sliding-window one."""
+        if self.sliding_window is None:
+            return ()
+        names = self.layer_names
+        return (KVCacheGroup(GroupKind.FULL, self.block_size, names[0::2]),
+                KVCacheGroup(GroupKind.SLIDING_WINDOW, self.block_size, names[1::2],
+                             window=self.sliding_window))
+
+    def group_of_layer(self, layer: int) -> int:
+        """The index of the KV-cache group ``layer`` belongs to (0 with one group)."""
+        return layer % 2 if self.sliding_window is not None else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -214,7 +249,7 @@ class HarnessConfig:
             extra={**connector_extra(), **self.extra, "kvspec.tmpdir": tmpdir,
                    "kvspec.model": {"num_kv_heads": self.num_heads, "head_size": self.head_size,
                                     "dtype": self.dtype}},
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling, kv_cache_groups=self.kv_cache_groups(),
         )
 
     def to_plain(self) -> dict[str, Any]:

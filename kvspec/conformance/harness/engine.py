@@ -36,6 +36,7 @@ from kvspec.protocols import (
     KVCacheEvent,
     KVSpecError,
     KVConnectorOutput,
+    NULL_BLOCK_ID,
     NewRequestView,
     ReportError,
     RequestStatus,
@@ -87,6 +88,7 @@ class _Req:
     num_computed: int = 0  # scheduled, including steps still in flight
     executed: int = 0  # computed by steps whose output was processed
     blocks: list[int] = attrs.Factory(list)
+    window: list[int] = attrs.Factory(list)  # the sliding-window group's (hybrid model)
     ext: tuple[int, int] = (0, 0)
     recv_done: bool = False
     aborted: bool = False
@@ -211,6 +213,9 @@ class Engine:
 
     def _build(self, factory: ConnectorFactory, factory_spec: str | None) -> None:
         view = self.config.engine_view(self.tmpdir)
+        self._window = self.config.sliding_window or 0
+        if view.kv_cache_groups:  # a hybrid model: refused unless declared (KVG-002)
+            self.caps.check_groups(view.kv_cache_groups, connector=repr(factory.name))
         self.scheduler: SchedulerConnector = factory.create_scheduler(view)
         executor = factory.create_executor(view)
         if executor is None:
@@ -512,7 +517,8 @@ class Engine:
             counts[r.rid] = n
             plans.append({
                 "id": r.rid, "tokens": list(r.tokens[: start + n]), "seed": r.seed,
-                "blocks": list(r.blocks), "start": start, "n": n, "ext": list(r.ext),
+                "blocks": list(r.blocks), "window": list(r.window), "start": start, "n": n,
+                "ext": list(r.ext),
                 "other_seeds": sorted(self._seeds - {r.seed}),
             })
 
@@ -524,12 +530,12 @@ class Engine:
             n = self._chunk(r, r.num_computed, budget)
             if n <= 0:
                 continue
-            before = len(r.blocks)
+            before, before_w = len(r.blocks), len(r.window)
             if not self._grow(r, r.num_computed + n, preempted, counts):
                 continue
             start = r.num_computed
             cached.append(CachedRequestView(
-                r.rid, AllocatedBlocks.single(r.blocks[before:]), start,
+                r.rid, self._blocks(r, before, before_w), start,
                 new_token_ids=r.tokens[start : start + n],
             ))
             plan(r, start, n)
@@ -548,12 +554,12 @@ class Engine:
                     continue  # SCH-003: deferred, asked again next step
                 ext, is_async = answer
                 if is_async:
-                    if not self._admit(r, local, local + ext):
+                    if not self._admit(r, local, local + ext, local + ext):
                         break
                     self._to_remote(r, local, ext)
                     continue
             n = self._chunk(r, local + ext, budget)
-            if not self._admit(r, local, local + ext + n):
+            if not self._admit(r, local, local + ext + n, local + ext):
                 break
             if not r.recv_done:
                 r.ext = (local, local + ext)
@@ -570,7 +576,7 @@ class Engine:
             self._transition(r, _S.RUNNING)
             self.running.append(r)
             r.num_computed = r.executed = local + ext
-            new.append(NewRequestView(self._view(r), AllocatedBlocks.single(r.blocks),
+            new.append(NewRequestView(self._view(r), self._blocks(r),
                                       r.num_computed))
             plan(r, r.num_computed, n)
             r.num_computed += n
@@ -602,38 +608,93 @@ class Engine:
         hits = self.pool.lookup(r.hashes[:cap])
         return len(hits) * bs
 
-    def _admit(self, r: _Req, local: int, tokens: int) -> bool:
-        """Take the local hit's blocks and allocate up to ``tokens``; False if no room."""
+    def _admit(self, r: _Req, local: int, tokens: int, computed: int) -> bool:
+        """Take the local hit's blocks and allocate up to ``tokens`` (``computed`` of them
+        computed or matched: the window's blocks before them are skipped); False if no
+        room."""
         bs = self.config.block_size
         if not r.recv_done:
             hits = self.pool.lookup(r.hashes[: local // bs])
             self.pool.touch(hits)  # before allocating, or the allocation may evict them
-            need = math.ceil(tokens / bs) - len(hits)
-            new = self.pool.allocate(max(0, need))
+            need = max(0, math.ceil(tokens / bs) - len(hits))
+            r.window = []
+            slots = self._window_slots(r, tokens, computed)
+            new = self.pool.allocate(need + len(slots))
             if new is None:
                 self.pool.free(hits)  # cached blocks: back to evictable, nothing released
                 return False
-            r.blocks = hits + new
+            r.blocks = hits + new[:need]
         else:
-            need = math.ceil(tokens / bs) - len(r.blocks)
-            new = self.pool.allocate(max(0, need))
+            self._skip_window(r, computed)
+            need = max(0, math.ceil(tokens / bs) - len(r.blocks))
+            slots = self._window_slots(r, tokens, computed)
+            new = self.pool.allocate(need + len(slots))
             if new is None:
                 return False
-            r.blocks += new
+            r.blocks += new[:need]
+        self._place_window(r, slots, new[need:])
         self._poison_alloc += new
         return True
 
+    # -- the sliding-window group of a hybrid model (HarnessConfig.sliding_window) ----------
+
+    def _window_slots(self, r: _Req, tokens: int, computed: int) -> list[int]:
+        """Positions of the window group's block list that need a block for ``tokens``
+        tokens, ``computed`` of them computed or matched: those from the window of the
+        token after them on (KVG-003) that hold the null block or none yet. [] with one
+        group."""
+        if not self._window:
+            return []
+        bs = self.config.block_size
+        skip = max(0, computed - self._window + 1) // bs
+        return [p for p in range(skip, math.ceil(tokens / bs))
+                if p >= len(r.window) or r.window[p] == NULL_BLOCK_ID]
+
+    def _place_window(self, r: _Req, slots: list[int], new: list[int]) -> None:
+        """Put ``new`` at ``slots`` of the window group's list; positions before them
+        that hold nothing yet hold the null block (KVG-004)."""
+        if slots:
+            r.window += [NULL_BLOCK_ID] * (slots[-1] + 1 - len(r.window))
+            for p, b in zip(slots, new):
+                r.window[p] = b
+
+    def _skip_window(self, r: _Req, computed: int) -> None:
+        """Free the window group's blocks wholly before the window of the token after
+        ``computed`` ones and point their positions at the null block, as vLLM's
+        ``remove_skipped_blocks`` does when it allocates (KVG-003, KVG-004)."""
+        if not self._window:
+            return
+        end = min(len(r.window), max(0, computed - self._window + 1) // self.config.block_size)
+        gone = [b for b in r.window[:end] if b != NULL_BLOCK_ID]
+        if gone:
+            r.window[:end] = [NULL_BLOCK_ID] * end
+            self._poison_freed += self.pool.free(gone)
+
+    def _blocks(self, r: _Req, start: int = 0, start_w: int = 0) -> AllocatedBlocks:
+        """The request's blocks, per group, from position ``start`` (``start_w`` in the
+        window group)."""
+        if not self._window:
+            return AllocatedBlocks.single(r.blocks[start:])
+        return AllocatedBlocks((tuple(r.blocks[start:]), tuple(r.window[start_w:])))
+
+    def _held_blocks(self, r: _Req) -> list[int]:
+        """Every block the request holds, in every group (null positions left out)."""
+        return r.blocks + [b for b in r.window if b != NULL_BLOCK_ID]
+
     def _grow(self, r: _Req, tokens: int, preempted: list[str], scheduled: Mapping[str, int]) -> bool:
         """Give a running request blocks for ``tokens``, preempting others if needed."""
-        need = math.ceil(tokens / self.config.block_size) - len(r.blocks)
-        while need > self.pool.num_free:
+        self._skip_window(r, r.num_computed)
+        need = max(0, math.ceil(tokens / self.config.block_size) - len(r.blocks))
+        slots = self._window_slots(r, tokens, r.num_computed)
+        while need + len(slots) > self.pool.num_free:
             victims = [v for v in self.running if v is not r and v.rid not in scheduled]
             victim = victims[-1] if victims else r
             self._preempt(victim, preempted)
             if victim is r:
                 return False
-        new = self.pool.allocate(max(0, need)) or []
-        r.blocks += new
+        new = self.pool.allocate(need + len(slots)) or []
+        r.blocks += new[:need]
+        self._place_window(r, slots, new[need:])
         self._poison_alloc += new
         return True
 
@@ -641,7 +702,8 @@ class Engine:
         self.running.remove(r)
         hold = self.config.preempted_hold_s
         self._poison_preempted += self.pool.free(
-            r.blocks, hold_until=time.monotonic() + hold if hold else None)
+            self._held_blocks(r), hold_until=time.monotonic() + hold if hold else None)
+        r.window = []
         r.blocks, r.num_computed, r.executed, r.ext, r.recv_done = [], 0, 0, (0, 0), False
         r.preemptions += 1
         # Queued again as PREEMPTED, as vLLM 0.32 does, until it runs: connectors read the
@@ -723,7 +785,7 @@ class Engine:
     def _update_after_alloc(self, r: _Req, ext: int) -> None:
         self._timed("update_state_after_alloc", self.scheduler.update_state_after_alloc,
                     self._view(r, r.ext[0] if not r.recv_done else None),
-                    AllocatedBlocks.single(r.blocks), ext)
+                    self._blocks(r), ext)
 
     def _timed(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Call a scheduler hook; one that takes longer than the budget blocks (SCH-025)."""
@@ -756,8 +818,14 @@ class Engine:
         final = _S.ABORTED if r.aborted else _S.FINISHED
         # The connector sees the request as finished or aborted, as an engine shows it then.
         view = attrs.evolve(self._view(r), status=final)
-        answer: object = self._timed("request_finished", self.scheduler.request_finished,
-                                     view, tuple(r.blocks))
+        all_groups = getattr(self.scheduler, "request_finished_all_groups", None)
+        if self._window and all_groups is not None:  # every group's blocks (KVG-006), as
+            # vLLM passes them to a connector that supports its hybrid allocator
+            answer: object = self._timed("request_finished_all_groups", all_groups,
+                                         view, self._blocks(r))
+        else:
+            answer = self._timed("request_finished", self.scheduler.request_finished,
+                                 view, tuple(r.blocks))
         if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
             self._violate("SCH-016", f"request_finished({r.rid!r}) returned {answer!r}",
                           "a tuple (bool, params or None)")
@@ -779,11 +847,11 @@ class Engine:
 
     def _release(self, r: _Req) -> None:
         if r.delay_send:
-            self.held[r.rid] = r.blocks
+            self.held[r.rid] = self._held_blocks(r)
             self._expect(r.rid, Direction.SEND)
         else:
-            self._poison_freed += self.pool.free(r.blocks)
-        r.blocks = []
+            self._poison_freed += self.pool.free(self._held_blocks(r))
+        r.blocks, r.window = [], []
 
     # -- outputs ---------------------------------------------------------------------------
 
@@ -859,6 +927,11 @@ class Engine:
         if not bad:
             return
         bs = self.config.block_size
+        if self._window:
+            self._violate("KVG-005", f"invalid block ids {sorted(bad)[:8]} reported by a "
+                          "connector of an engine with several KV-cache groups",
+                          "failed loads reported per request (failed_recving), never as block "
+                          "ids, which are unique only within a group")
         for b in bad:
             if not 0 <= b < self.config.num_blocks:
                 self._violate("LAY-012", f"invalid block id {b} reported",

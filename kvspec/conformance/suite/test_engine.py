@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from ...protocols import ContractViolation, RequestStatus
+from ...protocols import ContractViolation, GroupKind, RequestStatus
 from ..harness import Engine, RequestSpec, Workload, run_disaggregated, workloads
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
@@ -67,6 +67,24 @@ class TestEngine(ConformanceSuite):
         assert set(result.finished) | set(result.aborted) == {
             r.request_id for r in SCENARIOS[scenario].requests
         }
+
+    @pytest.mark.kvspec_clause("KVG-001", "KVG-002", "KVG-003", "KVG-004", "KVG-005",
+                               "KVG-006", "WRK-011", "WRK-013")
+    def test_hybrid_model(self, tmp_path: Path) -> None:
+        """Every scenario on a hybrid model: a sliding-window group of 8 tokens (the odd
+        layers) beside the full-attention one, whose out-of-window positions the engine
+        frees and points at the null block as vLLM's hybrid allocator does. Every group's
+        loaded bytes are checked, the null block must stay unwritten (KVG-004) and a failed
+        load be reported per request (KVG-005). Skipped for a connector that does not
+        declare a sliding-window group beside a full one (KVG-002: an engine refuses it)."""
+        caps = self.capabilities
+        if caps.kv_cache_groups < 2 or not {GroupKind.FULL, GroupKind.SLIDING_WINDOW} \
+                <= caps.group_kinds:
+            pytest.skip("the connector declares no sliding-window group beside a full one "
+                        "(Capabilities.group_kinds, kv_cache_groups): hybrid engines refuse it")
+        for name in sorted(SCENARIOS):
+            serve(self.factory, SCENARIOS[name], tmp_path / name, prefix_caching=False,
+                  sliding_window=8, **_SCENARIO_CONFIG.get(name, {}))
 
     @pytest.mark.kvspec_clause("WRK-007", "WRK-012", "WRK-013")
     def test_connector_threads_run_late(self, tmp_path: Path) -> None:
