@@ -187,3 +187,13 @@ def test_the_hybrid_model_runs_with_worker_processes_and_async_scheduling(
     with Engine(NullConnector(), _hybrid(max_tokens_per_step=8, **overrides)) as e:
         for name in ("chunked", "preemption"):
             e.run(SCENARIOS[name])
+
+
+def test_two_hybrid_engines_hand_requests_over() -> None:
+    """A prefill and a decode engine on the hybrid model: the hand-off's params and every
+    group's block lists cross the two engines' scheduler views."""
+    from kvspec.conformance.harness import run_disaggregated
+
+    prefill, decode = run_disaggregated(NullConnector(), SCENARIOS["chunked"],
+                                        prefill=_hybrid(), decode=_hybrid())
+    assert set(decode.finished) == {r.request_id for r in SCENARIOS["chunked"].requests}
