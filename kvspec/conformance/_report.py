@@ -11,6 +11,7 @@ which xdist serializes with the report.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import warnings
@@ -174,20 +175,16 @@ def _find_violation(exc: BaseException) -> ContractViolation | None:
     )
 
 
+@functools.cache
 def _scheduler_hooks() -> frozenset[str]:
     """Scheduler-role hooks, read off the Protocol (a write to one of their inputs breaks
     SCH-012); imported on first use, as this module imports nothing heavy."""
-    global _SCHEDULER_HOOKS
-    if _SCHEDULER_HOOKS is None:
-        from kvspec.protocols import SchedulerConnector
+    from kvspec.protocols import SchedulerConnector
 
-        _SCHEDULER_HOOKS = frozenset(
-            n for n in dir(SchedulerConnector)
-            if not n.startswith("_") and callable(getattr(SchedulerConnector, n)))
-    return _SCHEDULER_HOOKS
+    return frozenset(n for n in dir(SchedulerConnector)
+                     if not n.startswith("_") and callable(getattr(SchedulerConnector, n)))
 
 
-_SCHEDULER_HOOKS: frozenset[str] | None = None
 _READ_ONLY = ("'mappingproxy' object", "'tuple' object", "'frozenset' object")
 _WRITES = ("does not support item assignment", "does not support item deletion",
            *(f"has no attribute '{m}'" for m in (

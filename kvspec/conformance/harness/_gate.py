@@ -44,8 +44,8 @@ class ThreadGate:
     """Holds every other thread of this process at its next Python call while closed.
 
     Args:
-        stall_s: How long the harness's thread must wait (use under a fifth of the
-            time on the CPU) before the held threads are let go.
+        stall_s: How long the harness's thread must wait (asleep, ``_waiting_probe``)
+            before the held threads are let go.
         max_hold_s: The longest any thread is held at once.
     """
 

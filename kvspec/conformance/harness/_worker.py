@@ -417,10 +417,12 @@ class WorkerRuntime:
         for r in reqs:
             s, e = r["start"], r["start"] + r["n"]
             hashes = prefix_hashes(tuple(r["tokens"]), r["seed"])
-            blocks, window = r["blocks"], r.get("window") or r["blocks"]
+            blocks = r["blocks"]
+            window = r["window"] if len(self.slot_block) > 1 else None  # hybrid only
             for p in range(s, e):
                 slot_b.append(blocks[p // bs])
-                slot_w.append(window[p // bs])
+                if window is not None:
+                    slot_w.append(window[p // bs])
                 slot_o.append(p % bs)
                 written = self._reused.get(blocks[p // bs])
                 if written is not None and len(written) < _WATCHED_WRITES:
@@ -428,7 +430,8 @@ class WorkerRuntime:
             reads.append((r, hashes, len(read_b)))
             for p in range(s):
                 read_b.append(blocks[p // bs])
-                read_w.append(window[p // bs])  # the null block, out of the window
+                if window is not None:
+                    read_w.append(window[p // bs])  # the null block, out of the window
                 read_o.append(p % bs)
             vals.append(torch.stack([self.model.kv(hashes[s:e], layer, self.heads)
                                      for layer in range(self.config.num_layers)]))
@@ -440,13 +443,13 @@ class WorkerRuntime:
         self.vals.zero_()
         if n:
             self.slot_block[0, :n] = torch.tensor(slot_b)
-            if len(self.slot_block) > 1:
+            if slot_w:
                 self.slot_block[1, :n] = torch.tensor(slot_w)
             self.slot_off[:n] = torch.tensor(slot_o)
             self.vals[:, :n] = torch.cat(vals, dim=1).to(self.layout.dtype)
         if m:
             self.read_block[0, :m] = torch.tensor(read_b)
-            if len(self.read_block) > 1:
+            if read_w:
                 self.read_block[1, :m] = torch.tensor(read_w)
             self.read_off[:m] = torch.tensor(read_o)
         return reads
