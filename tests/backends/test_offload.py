@@ -477,10 +477,10 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
     assert OffloadMetadata.decode(bytearray(good)) == meta
     assert OffloadMetadata.decode(OffloadMetadata().encode()) == OffloadMetadata()
     wire = msgspec.msgpack.decode(good)
-    assert wire == ["kvspec.offload", 2, [["r1", [1, 2], [0, -1], [1, 2]]],
-                    [["r2", [3], [5], 3]], ["r3"]]  # one tag: every block's
+    assert wire == ["kvspec.offload", 3, [["r1", [1, 2], [0, -1], [1, 2], []]],
+                    [["r2", [3], [5], 3, []]], ["r3"]]  # one tag: every block's; one group
     same = OffloadMetadata(stores=(TransferJob.of("r", ((4, 1, 9), (2, 0, 9)), False),))
-    assert msgspec.msgpack.decode(same.encode())[3] == [["r", [4, 2], [1, 0], 9]]
+    assert msgspec.msgpack.decode(same.encode())[3] == [["r", [4, 2], [1, 0], 9, []]]
     assert OffloadMetadata.decode(same.encode()) == same
 
     def edit(path: tuple[int, ...], value: Any) -> bytes:
@@ -505,13 +505,18 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
         edit((2, 0, 1), [1, 1]),  # a block twice
         edit((2, 0, 2), [0, 0]),  # a slot twice
         edit((2, 0, 3), [1]),  # columns of different lengths
-        edit((3, 0), ["r2", [], [], []]),  # an empty job
-        edit((3, 0), ["r2", [3], [5]]), edit((3, 0), ["r2", [3], [5], [3], []]),
+        edit((3, 0), ["r2", [], [], [], []]),  # an empty job
+        edit((3, 0), ["r2", [3], [5]]), edit((3, 0), ["r2", [3], [5], [3], [], []]),
+        edit((3, 0), ["r2", [3], [5], [3]]),  # no group columns (version 2's jobs)
+        edit((2, 0, 4), [[1, 2]]),  # one group column: several or none
+        edit((2, 0, 4), [[1, 2], [5]]),  # a group column of another length
+        edit((2, 0, 4), [[1, 2], [-1, 0]]), edit((2, 0, 4), [[1, 2], [5, 5]]),
+        edit((2, 0, 4), [[7, 8], [5, 0]]),  # block_ids is none of the columns
         edit((2, 0, 1, 0), True), edit((3, 0, 2, 0), 5.0), edit((3, 0, 3), "3"),
         edit((3, 0, 3), -1), edit((3, 0, 3), True), edit((3, 0, 3), []), edit((2, 0, 3), 1.5),
         edit((3, 0, 1, 0), -5), edit((3, 0, 1, 0), 1 << 63), edit((3, 0, 3), 1 << 63),
         edit((2, 0, 2, 0), -(1 << 63)),
-        edit((2,), [["r1", [1], [0], [1]], ["r1", [2], [1], [1]]]),  # a request twice
+        edit((2,), [["r1", [1], [0], [1], []], ["r1", [2], [1], [1], []]]),  # a request twice
         edit((4,), ["r3", "r3"]),
     ):
         with pytest.raises(MalformedMetadataError, match="ERR-005"):
@@ -1078,8 +1083,11 @@ def test_sync_load_factory_declares_sync_loads_and_builds_sync_roles() -> None:
     assert factory.name == "offload-sync"
     assert not factory.capabilities.async_loads
     assert factory.capabilities.layer_hooks is HookGraphMode.EAGER  # pipelined loads wait
+    assert factory.capabilities.kv_cache_groups == 1  # its failures name blocks (KVG-005)
+    full = OffloadConnector().capabilities
     assert attrs.evolve(factory.capabilities, async_loads=True,
-                        layer_hooks=HookGraphMode.NO_LAYER_HOOKS) == OffloadConnector().capabilities
+                        layer_hooks=HookGraphMode.NO_LAYER_HOOKS, kv_cache_groups=8,
+                        group_kinds=full.group_kinds) == full
     sched = factory.create_scheduler(_config(offload_slots=2))
     worker = factory.create_worker(_config(offload_slots=2), 0)
     try:

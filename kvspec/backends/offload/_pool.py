@@ -38,6 +38,13 @@ from them (load), on one of three paths (``HostPool.path``):
 
 The scheduler places a job's blocks in consecutive slots whenever it can (its free list
 hands out the lowest slots first), so a job is usually one run.
+
+With several KV-cache groups (KVG-001, ``group_storages``) a slot holds, for each group,
+the regions of the layer storages its layers use, at that group's block id: a storage that
+layers of two groups share (vLLM's hybrid allocator) is held once per group. A grouped plan
+(``CopyPlan.columns``) gathers the rows of every non-null id into a temporary and scatters
+them (two copies, ``_grouped``); null ids are never read or written (KVG-004). Only the
+``"rows"`` path with a layer-outermost order moves several groups.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import attrs
 import torch
 
 from kvspec.protocols import (
+    NULL_BLOCK_ID,
     InvalidArgumentError,
     InvalidBlockIdError,
     KVCacheLayout,
@@ -122,11 +130,14 @@ class CopyPlan:
         slots: Pool slots, pairwise with ``block_ids``.
         runs: ``(first slot, first job position, length)`` per run of consecutive slots;
             one indexed op per run and direction.
+        columns: With several KV-cache groups, each group's block ids, pairwise with
+            ``slots`` (``NULL_BLOCK_ID``: not moved, KVG-004); empty with one group.
     """
 
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
     runs: tuple[tuple[int, int, int], ...]
+    columns: tuple[tuple[int, ...], ...] = ()
 
 
 class HostPool:
@@ -138,20 +149,27 @@ class HostPool:
         layout: The descriptor of the registered tensors (LAY-007).
         slots: Capacity of the pool, in blocks.
         budget_bytes: The byte budget per rank the pool must fit in.
+        group_storages: With several KV-cache groups, the layer storages (``layer_slots``
+            values) each group's layers use, in group order; empty with one group.
 
     Raises:
         OffloadCapacityError: ``slots * bytes_per_block > budget_bytes``.
-        LayoutMismatchError: the buffer is smaller than the layout's span (LAY-008).
+        LayoutMismatchError: the buffer is smaller than the layout's span (LAY-008), or
+            several groups with a layout the grouped copies do not cover (LAY-010).
     """
 
     def __init__(
-        self, kv_layer0: torch.Tensor, layout: KVCacheLayout, slots: int, budget_bytes: int
+        self, kv_layer0: torch.Tensor, layout: KVCacheLayout, slots: int, budget_bytes: int,
+        group_storages: Sequence[frozenset[int]] = (),
     ) -> None:
         self.layout = layout
         self.region_nbytes = layout.region_nbytes
         self.regions_per_block = layout.regions_per_block
-        self.bytes_per_block = self.region_nbytes * self.regions_per_block
-        """Bytes of one block of this rank, every layer storage, without padding."""
+        bases = [int(b) for b in layout.block_region_offsets([0])[0]]
+        entries = self._entries(layout, bases, group_storages)
+        self.bytes_per_block = self.region_nbytes * (len(entries) or self.regions_per_block)
+        """Bytes of one slot: one block of this rank, every layer storage (per group that
+        uses it), without padding."""
         self.slots = slots
         self.num_blocks = layout.num_blocks
         need = slots * self.bytes_per_block
@@ -166,7 +184,6 @@ class HostPool:
         self.device = kv_layer0.device
         whole, start = _flat_bytes(kv_layer0, layout.span_bytes)
         r = self.region_nbytes
-        bases = [int(b) for b in layout.block_region_offsets([0])[0]]
         stride = layout.block_stride_bytes
         self.element_bytes, dtype = next(
             (w, d) for w, d in _WIDE
@@ -201,6 +218,17 @@ class HostPool:
             self.path = "elements"
             self._view = kv[base: base + layout.span_bytes // w]
             self.entries_per_block = self.regions_per_block * rows
+        self.columns = len(group_storages) if entries else 0
+        """KV-cache groups the pool moves (0: one group, plans without columns)."""
+        self._entry_col = self._entry_base = torch.empty(0, dtype=torch.int64)
+        if entries:
+            if self.path != "rows":
+                raise LayoutMismatchError(
+                    "the offload backend moves several KV-cache groups only when every "
+                    "region offset is a multiple of the region size", clause="LAY-010")
+            self.entries_per_block = len(entries)
+            self._entry_col = torch.tensor([c for c, _ in entries], dtype=torch.int64)
+            self._entry_base = self._bases[[i for _, i in entries]].unsqueeze(1)
         self._stride_entries = stride // (r if self.path == "rows" else w)
         self._bases_list: list[int] = self._bases.tolist()
         self._arange = torch.arange(rows, dtype=torch.int64)
@@ -213,14 +241,40 @@ class HostPool:
         inside = (self.num_blocks - 1) * stride + max(bases) + r <= layout.span_bytes
         self._addrs: tuple[torch.Tensor, torch.Tensor, int, int] | None = (
             (whole, self.host, whole.data_ptr() + start, self.host.data_ptr())
-            if self.device.type == "cpu" and inside else None
+            if self.device.type == "cpu" and inside and not entries else None
         )
         self._byte_bases = bases
         self._stride_bytes = stride
-        self.layer_chunks = self._layer_chunks(layout, bases)
+        self.layer_chunks = () if entries else self._layer_chunks(layout, bases)
         """Per layer storage (LAY-011), the ``[lo, hi)`` range of its regions within a block,
         when a load can be split by layer (``load_by_layer``): host memory, the ``"rows"``
         path and a layer-outermost order; else empty."""
+
+    @staticmethod
+    def _entries(layout: KVCacheLayout, bases: list[int],
+                 group_storages: Sequence[frozenset[int]]) -> list[tuple[int, int]]:
+        """``(group, region)`` of each of a slot's regions with several groups, in slot
+        order; empty with one group.
+
+        Raises:
+            LayoutMismatchError: the order is block-outermost, or a group names a storage
+                the layout does not have (LAY-010).
+        """
+        if len(group_storages) < 2:
+            return []
+        if layout.order.block_outermost:
+            raise LayoutMismatchError(
+                "the offload backend moves several KV-cache groups only with a "
+                f"layer-outermost order, got {layout.order.dims}", clause="LAY-010")
+        storage = [b // layout.layer_stride_bytes for b in bases]
+        known = set(storage)
+        for g, used in enumerate(group_storages):
+            if not used or not used <= known:
+                raise LayoutMismatchError(
+                    f"KV-cache group {g} uses layer storages {sorted(used)}; the layout has "
+                    f"{sorted(known)}", clause="LAY-010")
+        return [(g, i) for g, used in enumerate(group_storages)
+                for i, s in enumerate(storage) if s in used]
 
     def _layer_chunks(self, layout: KVCacheLayout, bases: list[int]) -> tuple[tuple[int, int], ...]:
         if self.device.type != "cpu" or self.path != "rows" or layout.order.block_outermost:
@@ -234,11 +288,13 @@ class HostPool:
     # -- planning ---------------------------------------------------------------------------
 
     def plan(
-        self, block_ids: Sequence[int], slots: Sequence[int], *, checked: bool = False
+        self, block_ids: Sequence[int], slots: Sequence[int], *, checked: bool = False,
+        columns: Sequence[Sequence[int]] = (),
     ) -> CopyPlan:
         """Check and plan moving ``block_ids`` to or from ``slots``, pairwise. ``checked``:
         they are a ``TransferJob``'s columns (ints, block ids >= 0), so only the upper
-        bounds are checked.
+        bounds are checked. ``columns``: every group's ids (several KV-cache groups; the
+        pool must have been built with ``group_storages``), checked the same way.
 
         Raises:
             InvalidBlockIdError: a block id outside ``[0, num_blocks)`` (LAY-012).
@@ -258,6 +314,17 @@ class HostPool:
                 f"block id {bad!r} is outside the engine's block budget; expected ints in "
                 f"[0, num_blocks={self.num_blocks})", clause="LAY-012",
             )
+        cols = tuple(tuple(c) for c in columns)
+        if bool(cols) != bool(self.columns) or (cols and len(cols) != self.columns):
+            raise InvalidArgumentError(
+                f"a plan of {len(cols)} group columns for a pool of {self.columns} groups",
+                clause="KVG-001")
+        for col in cols:
+            if len(col) != len(ids) or not set(map(type, col)) <= {int} or min(col) < 0 \
+                    or max(col) >= self.num_blocks:
+                raise InvalidBlockIdError(
+                    f"a group column {col!r:.80} is not {len(ids)} block ids in "
+                    f"[0, num_blocks={self.num_blocks})", clause="LAY-012")
         runs = _runs(slot_tuple) if checked or set(map(type, slot_tuple)) <= {int} else ()
         if not runs or (runs[0][0] < 0 or runs[0][0] + runs[0][2] > self.slots
                         if len(runs) == 1  # the usual plan: one run, two comparisons
@@ -268,7 +335,7 @@ class HostPool:
                 f"slot {bad!r} is outside the host pool [0, {self.slots}); the scheduler "
                 "and the workers must agree on offload_slots", clause="ERR-002",
             )
-        return CopyPlan(ids, slot_tuple, runs)
+        return CopyPlan(ids, slot_tuple, runs, cols)
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -319,6 +386,8 @@ class HostPool:
         ``_moves``; else build the index, then one
         gather per run of consecutive slots, straight into the pool's rows (through a device
         staging buffer when the KV caches are not on the host)."""
+        if plan.columns:
+            return self._grouped(plan, True)
         if self._moves(plan, True):
             return
         k = self.entries_per_block
@@ -336,6 +405,8 @@ class HostPool:
         """Copy the plan's slots into its blocks of the KV caches: a few regions with
         ``_moves``; else build the index, then one
         scatter per run of consecutive slots, straight from the pool's rows."""
+        if plan.columns:
+            return self._grouped(plan, False)
         if self._moves(plan, False):
             return
         k = self.entries_per_block
@@ -347,6 +418,22 @@ class HostPool:
             if self.device.type != "cpu":
                 src = src.to(self.device, non_blocking=True)
             self._view.index_copy_(0, index, src)
+
+    def _grouped(self, plan: CopyPlan, store: bool) -> None:
+        """Move a grouped plan: each slot region at its group's block id, null ids
+        skipped (KVG-004); one gather into a temporary, one scatter."""
+        e = self.entries_per_block
+        ids = torch.tensor(plan.columns, dtype=torch.int64).index_select(0, self._entry_col)
+        keep = ids != NULL_BLOCK_ID  # [entries, positions]
+        kv = torch.add(self._entry_base, ids, alpha=self._stride_entries)[keep]
+        host = (_int64_tensor(plan.slots).unsqueeze(0) * e
+                + torch.arange(e, dtype=torch.int64).unsqueeze(1))[keep]
+        if store:
+            self._host.index_put_((host,), self._view.index_select(0, kv.to(self.device))
+                                  .to(self._host.device))
+        else:
+            self._view.index_put_((kv.to(self.device),),
+                                  self._host.index_select(0, host).to(self.device))
 
     def few(self, plan: CopyPlan) -> bool:
         """True when ``plan`` is moved region by region (``_moves``): a few regions on the

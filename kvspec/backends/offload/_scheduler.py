@@ -22,11 +22,14 @@ import msgspec
 from typing_extensions import Self
 
 from kvspec.protocols import (
+    NULL_BLOCK_ID,
     AllocatedBlocks,
     BlockRemoved,
     BlockStored,
+    CapabilityError,
     ConnectorMetadata,
     EngineConfigView,
+    GroupKind,
     InvalidArgumentError,
     InvalidBlockIdError,
     KVCacheEvent,
@@ -55,7 +58,7 @@ MEDIUM = "CPU"
 """The ``medium`` of the backend's ``BlockStored`` / ``BlockRemoved`` events (EVT-005)."""
 
 _META_KIND = "kvspec.offload"
-_META_VERSION = 2
+_META_VERSION = 3
 
 
 # ----------------------------------------------------------------------------- settings
@@ -229,6 +232,11 @@ class TransferJob:
             overwritten, never stored, or whose store failed on this rank, WRK-011). The
             scheduler tags each store job with a fresh number.
         is_load: True for a load (pool to KV caches), False for a store.
+        groups: With several KV-cache groups (KVG-001), every group's block id at each of
+            the job's positions, in group order: ``block_ids`` is the full-attention
+            group's column; ``NULL_BLOCK_ID`` marks a position a group skipped (or, in a
+            store, one whose block the engine may have freed), which is never moved
+            (KVG-004). Empty with one group.
 
     Raises:
         InvalidArgumentError: a field is malformed, or the columns differ in length
@@ -240,6 +248,7 @@ class TransferJob:
     slots: tuple[int, ...]
     tags: tuple[int, ...]
     is_load: bool
+    groups: tuple[tuple[int, ...], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         self._check(typed=False)
@@ -263,18 +272,40 @@ class TransferJob:
                 f"{len(self.slots)} slots and {len(self.tags)} tags; expected one of each "
                 "per block"
             )
+        groups = self.groups
+        if type(groups) is not tuple or (groups and len(groups) < 2):
+            raise InvalidArgumentError(
+                f"groups of job of {self.request_id!r} must be a tuple of two or more "
+                f"columns, or empty, got {groups!r}", clause="KVG-001")
+        for column in groups:
+            if type(column) is not tuple or len(column) != len(self.block_ids) or not (
+                    typed or set(map(type, column)) <= _INT) or min(column) < 0:
+                raise InvalidBlockIdError(
+                    f"a group column of job of {self.request_id!r} is {column!r}; expected "
+                    f"{len(self.block_ids)} block ids >= 0", clause="ERR-003")
+            real = [b for b in column if b != NULL_BLOCK_ID]
+            if len(set(real)) != len(real):
+                raise InvalidBlockIdError(
+                    f"a group column of job of {self.request_id!r} names a block twice",
+                    clause="ERR-003")
+        if groups and self.block_ids not in groups:
+            raise InvalidArgumentError(
+                f"job of {self.request_id!r}: block_ids must be one of its group columns",
+                clause="KVG-001")
 
     @classmethod
     def _build(
         cls, request_id: str, block_ids: tuple[int, ...], slots: tuple[int, ...],
         tags: tuple[int, ...], is_load: bool, *, typed: bool | None,
+        groups: tuple[tuple[int, ...], ...] = (),
     ) -> TransferJob:
         """Construct with the element type and range checks skipped (``typed`` True: the
         columns are ints in range by construction, as the decoder's are) or every check
         skipped (``typed`` None: the scheduler's own jobs, built from checked inputs)."""
         job = object.__new__(cls)
         for name, value in (("request_id", request_id), ("block_ids", block_ids),
-                            ("slots", slots), ("tags", tags), ("is_load", is_load)):
+                            ("slots", slots), ("tags", tags), ("is_load", is_load),
+                            ("groups", groups)):
             object.__setattr__(job, name, value)
         if typed is not None:
             job._check(typed=typed)
@@ -302,37 +333,41 @@ _LoadSlots = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX)], ...], msgspec.Meta(min_length=1)
 ]
 _Tags = _Int | _Column  # an int: every block's tag
+_Groups = tuple[tuple[_Int, ...], ...]  # empty with one KV-cache group
 # The layout ``OffloadMetadata.encode`` writes: kind, version (``_META_KIND``,
 # ``_META_VERSION``), loads, stores, aborted loads.
 _WIRE_DECODER = msgspec.msgpack.Decoder(tuple[
-    Literal["kvspec.offload"], Literal[2],
-    tuple[tuple[_ReqId, _Column, _LoadSlots, _Tags], ...],  # loads
-    tuple[tuple[_ReqId, _Column, _Column, _Tags], ...],  # stores: no slot -1
+    Literal["kvspec.offload"], Literal[3],
+    tuple[tuple[_ReqId, _Column, _LoadSlots, _Tags, _Groups], ...],  # loads
+    tuple[tuple[_ReqId, _Column, _Column, _Tags, _Groups], ...],  # stores: no slot -1
     tuple[_ReqId, ...],
 ])
 _WIRE_ENCODER = msgspec.msgpack.Encoder()
 
 
-def _wire_job(job: TransferJob) -> tuple[str, tuple[int, ...], tuple[int, ...], object]:
+def _wire_job(job: TransferJob) -> tuple[str, tuple[int, ...], tuple[int, ...], object,
+                                         tuple[tuple[int, ...], ...]]:
     """``job`` as ``encode`` writes it: its tags as one int when they are all the same."""
     tags = job.tags
     return job.request_id, job.block_ids, job.slots, (
         tags[0] if tags.count(tags[0]) == len(tags) else tags
-    )
+    ), job.groups
 
 
-def _job(wire: tuple[str, tuple[int, ...], tuple[int, ...], int | tuple[int, ...]],
+def _job(wire: tuple[str, tuple[int, ...], tuple[int, ...], int | tuple[int, ...],
+                     tuple[tuple[int, ...], ...]],
          is_load: bool) -> TransferJob:
     """A decoded job, checked: the decoder typed its columns (non-empty, ints in range),
     so what is left is one length and distinct block ids and slots (what
     ``TransferJob._check`` does on typed columns, without its per-column calls)."""
-    request_id, block_ids, slots, wire_tags = wire
+    request_id, block_ids, slots, wire_tags, groups = wire
     n = len(block_ids)
     tags = (wire_tags,) * n if isinstance(wire_tags, int) else wire_tags
-    if not (len(slots) == len(tags) == n and len(set(block_ids)) == n and (
+    if groups or not (len(slots) == len(tags) == n and len(set(block_ids)) == n and (
             len(set(slots)) == n or is_load and len(set(slots) - {-1}) == n - slots.count(-1))):
         # Not the common case: let the full check say what is wrong.
-        return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=True)
+        return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=True,
+                                  groups=groups)
     return TransferJob._build(request_id, block_ids, slots, tags, is_load, typed=None)
 
 
@@ -397,10 +432,10 @@ class OffloadMetadata:
 
     def encode(self) -> bytes:
         """Encode as plain data, no pickle (ERR-006): one MessagePack array
-        ``["kvspec.offload", 2, loads, stores, aborted_loads]``, each job an array
-        ``[request_id, block_ids, slots, tags]`` of its columns (arrays of ints; ``tags``
-        one int when every block has that tag, as in every job the scheduler builds from
-        one store)."""
+        ``["kvspec.offload", 3, loads, stores, aborted_loads]``, each job an array
+        ``[request_id, block_ids, slots, tags, groups]`` of its columns (arrays of ints;
+        ``tags`` one int when every block has that tag, as in every job the scheduler
+        builds from one store; ``groups`` an array of columns, empty with one group)."""
         return _WIRE_ENCODER.encode((
             _META_KIND, _META_VERSION, [_wire_job(j) for j in self.loads],
             [_wire_job(j) for j in self.stores], self.aborted_loads,
@@ -515,12 +550,23 @@ class _Running:
     """A running request as the eager stores see it: its view (prompt block hashes), its
     block ids so far, and the first block position not yet considered for a store."""
 
-    __slots__ = ("request", "block_ids", "upto")
+    __slots__ = ("request", "block_ids", "groups", "upto")
 
-    def __init__(self, request: RequestView, block_ids: Iterable[int]) -> None:
+    def __init__(self, request: RequestView, blocks: AllocatedBlocks, spine: int) -> None:
         self.request = request
-        self.block_ids = list(block_ids)
+        self.groups = [list(ids) for ids in blocks.groups]  # as allocated: stale once freed
+        self.block_ids = self.groups[spine]
         self.upto = 0
+
+    def extend(self, blocks: AllocatedBlocks, *, replace: bool) -> None:
+        """Add a step's new blocks (``replace``: a resumed request's, which replace all)."""
+        for ids, new in zip(self.groups, blocks.groups):
+            if replace:
+                ids[:] = new
+            else:
+                ids.extend(new)
+        if replace:
+            self.upto = 0
 
 
 class OffloadScheduler(SchedulerConnector):
@@ -556,6 +602,18 @@ class OffloadScheduler(SchedulerConnector):
     until the store is reported instead.
     Per-block work is a handful of C-level container operations: planning a 256-block
     store or load costs tens of microseconds (``kvspec bench offload`` measures it).
+
+    Several KV-cache groups (KVG-001): one full-attention group (the *spine*, whose
+    block positions are the keys) beside full or sliding-window groups. A slot holds every
+    group's bytes of one position; a position whose sliding-window block was already freed
+    is stored without it (*partial*), and a match of ``N`` tokens needs only the blocks
+    each group attends to (KVG-003, ``KVCacheGroup.needed_blocks``) to be whole. With
+    ``store_when="computed"`` a running request's blocks are stored in the step that
+    computes them (the workers copy them after its forward, in ``wait_for_save``, before
+    the engine can free a window block at the next schedule); loads name every group's
+    ids and skip the null block (KVG-004); a failed load fails the whole request
+    (``failed_recving``, KVG-005). Synchronous loads and loads of stores in flight are
+    not offered with several groups.
     """
 
     def __init__(self, config: EngineConfigView, *, serve_pending: bool = True) -> None:
@@ -565,6 +623,13 @@ class OffloadScheduler(SchedulerConnector):
         # the workers gather stores in the forward (``serve_pending=False``), a match that
         # reaches a store in flight is deferred until the store is reported instead.
         self._serve_pending = serve_pending and not self._settings.sync_loads
+        groups = config.kv_cache_groups
+        self._groups = groups if len(groups) > 1 else ()
+        self._spine = 0
+        if self._groups:
+            self._spine = self._check_groups(config)
+            self._serve_pending = False  # a store runs after its step's forward
+        self._partial: set[bytes] = set()  # stored (or storing) without some group's bytes
         self._inflight: dict[bytes, tuple[int, int]] = {}  # storing: key -> (slot, tag)
         self._config = config
         self._block_size = config.block_size
@@ -588,6 +653,42 @@ class OffloadScheduler(SchedulerConnector):
         self._sync_loaded: dict[int, tuple[bytes, int]] = {}  # block id -> last sync load
         self._events: list[KVCacheEvent | _Record] = []  # stores: events built on take
         self._counters: Counter[str] = Counter()
+
+    def _check_groups(self, config: EngineConfigView) -> int:
+        """The spine (the first full-attention group) of a hybrid engine.
+
+        Raises:
+            CapabilityError: no full-attention group, a group of another kind than full or
+                sliding-window attention, another block size, or synchronous loads (KVG-002).
+        """
+        spine = next((i for i, g in enumerate(self._groups) if g.kind is GroupKind.FULL), None)
+        for i, g in enumerate(self._groups):
+            if g.kind not in (GroupKind.FULL, GroupKind.SLIDING_WINDOW) or \
+                    g.block_size != config.block_size:
+                raise CapabilityError(
+                    f"KV-cache group {i} ({g.kind.value}, block size {g.block_size}) is not one "
+                    "the offload backend moves; expected full or sliding-window attention "
+                    f"with the engine's block size {config.block_size}", clause="KVG-002")
+        if spine is None or self._settings.sync_loads:
+            raise CapabilityError(
+                "the offload backend moves several KV-cache groups only beside a "
+                "full-attention group and with asynchronous loads (failures per request, "
+                "KVG-005)" if spine is not None or self._settings.sync_loads else
+                "the offload backend needs a full-attention KV-cache group to key stored "
+                "blocks by", clause="KVG-002")
+        return spine
+
+    def _whole_prefix(self, keys: Sequence[bytes], start: int, n: int) -> int:
+        """The longest ``m <= n`` stored blocks after ``start`` for which every group has
+        the blocks a match of ``(start + m)`` blocks needs (KVG-003)."""
+        bs, partial = self._block_size, self._partial
+        while n > 0:
+            end = (start + n) * bs
+            if not any(keys[i] in partial for j, g in enumerate(self._groups)
+                       if j != self._spine for i in g.needed_blocks(end) if i >= start):
+                return n
+            n -= 1
+        return 0
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -631,7 +732,10 @@ class OffloadScheduler(SchedulerConnector):
             stored = takewhile(lambda k: k in index or k in inflight, keys[start:end])
         else:
             stored = takewhile(index.__contains__, keys[start:end])  # the stored prefix
-        return len(list(stored)) * bs
+        n = len(list(stored))
+        if self._partial and n:
+            n = self._whole_prefix(keys, start, n)
+        return n * bs
 
     def _awaits_store(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
         """Without loads of stores in flight: True when the block after the match is in a
@@ -708,11 +812,12 @@ class OffloadScheduler(SchedulerConnector):
             )
         first, last = start // bs, (start + num_external_tokens) // bs
         all_keys = request.block_hashes
-        ids = blocks.block_ids(0)
-        if last > len(all_keys) or last > len(ids):
+        ids = blocks.block_ids(self._spine)
+        shortest = min(map(len, blocks.groups)) if self._groups else len(ids)
+        if last > len(all_keys) or last > shortest:
             raise InvalidArgumentError(
                 f"request {rid!r}: external blocks [{first}, {last}) exceed its "
-                f"{len(all_keys)} full blocks or its {len(ids)} allocated blocks",
+                f"{len(all_keys)} full blocks or its {shortest} allocated blocks",
                 clause="SCH-010",
             )
         keys = tuple(all_keys[first:last])
@@ -725,7 +830,15 @@ class OffloadScheduler(SchedulerConnector):
             hits = len(slots) - slots.count(-1)
         self._policy.touch_many(keys)  # absent keys are ignored
         self._counters["hit_blocks"] += hits
-        job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None)
+        columns: tuple[tuple[int, ...], ...] = ()
+        if self._groups:
+            columns = tuple(tuple(g[first:last]) for g in blocks.groups)
+            if self._partial:  # a block the engine wants that was stored without it fails
+                others = [c for g, c in enumerate(columns) if g != self._spine]
+                slots = tuple(-1 if keys[i] in self._partial and any(
+                    c[i] != NULL_BLOCK_ID for c in others) else s for i, s in enumerate(slots))
+        job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None,
+                                 groups=columns)
         self._pending_loads.append(job)
         self._pinning[rid] = slots  # -1 pins nothing
         self._asked.pop(rid, None)
@@ -771,6 +884,7 @@ class OffloadScheduler(SchedulerConnector):
     def _drop(self, key: bytes, *, evicted: bool) -> None:
         """Forget stored ``key``: free its slot now, or when its last load ends."""
         slot = self._index.pop(key)
+        self._partial.discard(key)
         if not evicted:
             self._policy.remove(key)
         if slot in self._pinned_slots():
@@ -860,6 +974,40 @@ class OffloadScheduler(SchedulerConnector):
                 "already finished (SCH-015)", request_id=rid, clause="SCH-028",
             )
         block_ids = check_block_ids(block_ids, self._config.num_blocks)
+        if self._groups:
+            raise InvalidArgumentError(
+                f"request_finished for request {rid!r} on an engine with "
+                f"{len(self._groups)} KV-cache groups; expected request_finished_all_groups "
+                "(KVG-006)", clause="KVG-006")
+        return self._finish(request, block_ids, ())
+
+    def request_finished_all_groups(
+        self, request: RequestView, blocks: AllocatedBlocks
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        """``request_finished`` with every group's blocks (KVG-006): the blocks left to
+        store are stored with each group's block at their position, null positions
+        (KVG-004) left out (those keys are stored partial).
+
+        Raises:
+            As ``request_finished``; InvalidArgumentError when ``blocks`` does not have the
+            engine's groups (KVG-006).
+        """
+        if not self._groups:
+            return super().request_finished_all_groups(request, blocks)
+        check_request(request)
+        check_blocks(blocks)
+        if blocks.num_groups != len(self._groups):
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} finished with {blocks.num_groups} groups of "
+                f"blocks; the engine has {len(self._groups)}", clause="KVG-006")
+        blocks.check_budget(self._config.num_blocks)
+        if request.request_id not in self._known:
+            return self.request_finished(request, blocks.block_ids(self._spine))  # raises
+        return self._finish(request, blocks.block_ids(self._spine), blocks.groups)
+
+    def _finish(self, request: RequestView, block_ids: tuple[int, ...],
+                groups: tuple[tuple[int, ...], ...]) -> tuple[bool, Mapping[str, Any] | None]:
+        rid = request.request_id
         self._known.discard(rid)
         self._asked.pop(rid, None)
         self._running.pop(rid, None)
@@ -868,15 +1016,19 @@ class OffloadScheduler(SchedulerConnector):
             self._pending_aborts.append(rid)
             return stored_before, None
         full = min(len(request.block_hashes), request.num_computed_tokens // self._block_size,
-                   len(block_ids))
-        planned = self._plan_store(request, block_ids, 0, full)
+                   len(block_ids), *map(len, groups))
+        planned = self._plan_store(request, block_ids, 0, full, groups, (0,) * len(groups))
         return planned or stored_before, None
 
     def _plan_store(
-        self, request: RequestView, block_ids: Sequence[int], start: int, full: int
+        self, request: RequestView, block_ids: Sequence[int], start: int, full: int,
+        groups: Sequence[Sequence[int]] = (), valid_from: Sequence[int] = (),
     ) -> bool:
         """Plan a store of the request's blocks at positions ``[start, full)`` that are
-        neither stored nor being stored; True if one was planned."""
+        neither stored nor being stored; True if one was planned. With several groups,
+        ``groups`` holds each group's block ids and ``valid_from`` the first position whose
+        id the engine still holds (a sliding window's earlier ones may be freed): other
+        positions and null blocks are left out of that group's column."""
         rid = request.request_id
         index, storing = self._index, self._inflight
         keys: Sequence[bytes] = request.block_hashes[start:full]
@@ -910,8 +1062,15 @@ class OffloadScheduler(SchedulerConnector):
         run = not removed and slots[-1] - slots[0] == n - 1
         tag = self._next_tag
         self._next_tag += 1
+        columns: tuple[tuple[int, ...], ...] = ()
+        if groups:
+            columns = tuple(
+                tuple(ids_g[p] if p >= first else NULL_BLOCK_ID for p in positions[:n])
+                for ids_g, first in zip(groups, valid_from))
+            self._partial.update(k for k, *col in zip(keys[:n], *columns)
+                                 if NULL_BLOCK_ID in col)
         job = TransferJob._build(rid, tuple(ids[:n]), tuple(slots), (tag,) * n, False,
-                                 typed=None)
+                                 typed=None, groups=columns)
         self._pending_stores.append(job)
         storing.update(zip(keys[:n], zip(slots, repeat(tag))))
         record = _Record(job, tuple(keys[:n]), positions[:n], request, run)
@@ -930,23 +1089,26 @@ class OffloadScheduler(SchedulerConnector):
         todo: list[tuple[_Running, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             if new.request_id in self._known:
-                r = running[new.request_id] = _Running(new.request, new.blocks.block_ids(0))
+                r = running[new.request_id] = _Running(new.request, new.blocks, self._spine)
                 todo.append((r, new.num_computed_tokens))
         for cached in scheduler_output.scheduled_cached_reqs:
             known = running.get(cached.request_id)
             if known is None:
                 continue
-            if cached.resumed_from_preemption:  # its blocks were replaced
-                known.block_ids = list(cached.new_blocks.block_ids(0))
-                known.upto = 0
-            else:
-                known.block_ids.extend(cached.new_blocks.block_ids(0))
+            known.extend(cached.new_blocks, replace=cached.resumed_from_preemption)
             todo.append((known, cached.num_computed_tokens))
+        groups = self._groups
+        scheduled = scheduler_output.num_scheduled_tokens
         for r, computed in todo:
-            full = min(len(r.request.block_hashes), computed // bs, len(r.block_ids))
+            # With several groups a block is stored in the step that computes it: the
+            # workers copy it after the forward, before the next schedule can free a
+            # window block (KVG-004); with one, in the step after.
+            upto = computed + scheduled.get(r.request.request_id, 0) if groups else computed
+            full = min(len(r.request.block_hashes), upto // bs, *map(len, r.groups))
             if full > r.upto:
                 start, r.upto = r.upto, full
-                self._plan_store(r.request, r.block_ids, start, full)
+                self._plan_store(r.request, r.block_ids, start, full, r.groups if groups else (),
+                                 tuple(g.first_needed_token(computed) // bs for g in groups))
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -1032,6 +1194,7 @@ class OffloadScheduler(SchedulerConnector):
                     for key in record.keys:
                         del inflight[key]
                 if rid in failed_stores:  # never advertised: slots back, once unpinned
+                    self._partial.difference_update(record.keys)
                     pinned = self._pinned_slots() if self._pinning else set()
                     for slot in job.slots:
                         if slot in pinned:  # a load of the pending store reads it (and fails)
@@ -1068,6 +1231,6 @@ class OffloadScheduler(SchedulerConnector):
         for state in (
             self._known, self._asked, self._loading, self._saving, self._inflight, self._running,
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
-            self._index, self._pinning, self._zombies, self._sync_loaded,
+            self._index, self._pinning, self._zombies, self._sync_loaded, self._partial,
         ):
             state.clear()

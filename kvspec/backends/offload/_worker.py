@@ -24,6 +24,13 @@ that hangs holds no hook past its deadline. ``get_finished`` waits for what the 
 not (bounded the same way); a load past its deadline fails with every block invalid. Any
 other sync load runs on the engine's thread in ``start_load_kv``.
 
+With several KV-cache groups (KVG-001) each job names every group's block ids; the pool
+moves each group's regions at its ids and never the null block (KVG-004). Stores run
+after the forward that computed their blocks: ``wait_for_save`` submits them and waits,
+up to their deadline, because the engine may free a sliding window's block at the next
+schedule; one still running then is cancelled and fails. A failed load fails its request
+(``failed_recving``) and names no block ids (KVG-005).
+
 A copy still running at its deadline (``io_timeout_s``: a stuck device, a hung driver) is
 never waited for: its request is reported at once, a load as failed with every block
 invalid, a store as failed (its slots stay invalid, the scheduler role never advertises
@@ -47,6 +54,7 @@ from typing import Any
 import torch
 
 from kvspec.protocols import (
+    CapabilityError,
     ConnectorMetadata,
     ConnectorStats,
     EngineConfigView,
@@ -125,6 +133,14 @@ class OffloadWorker(WorkerConnector):
                 clause="ERR-002",
             )
         self._rank = rank
+        groups = config.kv_cache_groups
+        self._groups = groups if len(groups) > 1 else ()
+        if self._groups and (store_path != "background" or self._settings.sync_loads):
+            raise CapabilityError(
+                "the offload backend moves several KV-cache groups only with background "
+                "stores and asynchronous loads (failures per request, KVG-005)",
+                clause="KVG-002")
+        self._after_forward: list[_Job] = []  # several groups: stores run after the forward
         self._slot: MetadataSlot[OffloadMetadata] = MetadataSlot(OffloadMetadata)
         self._started = False
         self._layout: KVCacheLayout | None = None
@@ -181,7 +197,17 @@ class OffloadWorker(WorkerConnector):
         tensors = list(kv_caches.values())
         layout.check_layer_tensors(tensors)  # one buffer at the stated offsets (LAY-008)
         s = self._settings
-        self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes)
+        storages: list[frozenset[int]] = []
+        if self._groups:
+            slot_of = dict(zip(kv_caches, layout.layer_slots))
+            for g, group in enumerate(self._groups):
+                missing = [n for n in group.layer_names if n not in slot_of]
+                if missing:
+                    raise InvalidArgumentError(
+                        f"KV-cache group {g} names layers {missing[:3]} that were not "
+                        f"registered; registered: {list(slot_of)[:4]}...", clause="KVG-001")
+                storages.append(frozenset(slot_of[n] for n in group.layer_names))
+        self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes, storages)
         self._slot_tags = [-1] * s.offload_slots
         if self.store_path == "layerwise":
             self._stage = SaveStage(kv_caches, layout, self.pool, s.stage_blocks)
@@ -212,6 +238,7 @@ class OffloadWorker(WorkerConnector):
         if self._slot.is_bound and not self._started:
             self._start(self._slot.get("clear_connector_metadata"))
             self._flush_queue()
+        self._stores_after_forward()
         if self._stage is not None and self._stage.pending:  # wait_for_save never came
             self._stage.cancel()
             staged, self._staged = self._staged, []
@@ -390,6 +417,8 @@ class OffloadWorker(WorkerConnector):
                 self._failed_job(job)
                 j.future = concurrent.futures.Future()
                 j.future.set_result(job.block_ids)
+            elif self._groups and not job.is_load:  # its blocks are written by this forward
+                self._after_forward.append(j)
             elif self._stage is not None and not job.is_load:  # gathered by the hooks
                 for slot in job.slots:
                     self._slot_tags[slot] = -1  # invalid until stored
@@ -419,6 +448,11 @@ class OffloadWorker(WorkerConnector):
             InvalidBlockIdError: a block id outside the budget (LAY-012).
             OffloadCapacityError: a slot outside the pool (ERR-002).
         """
+        if job.groups:  # a load that lacks a block fails as a whole (KVG-005)
+            if -1 in job.slots:
+                pool.plan(job.block_ids, [0] * len(job), checked=True, columns=job.groups)
+                return None
+            return pool.plan(job.block_ids, job.slots, checked=True, columns=job.groups)
         if job.is_load and -1 in job.slots:
             pool.plan(job.block_ids, [0] * len(job), checked=True)  # range-check every id
             keep = [i for i, s in enumerate(job.slots) if s >= 0]
@@ -567,6 +601,8 @@ class OffloadWorker(WorkerConnector):
                 b for b, s, t in zip(job.block_ids, slots, job.tags)
                 if s < 0 or tags[s] != t or (rate and self._rng.random() < rate)
             ]
+            if failed and job.groups:  # the request fails as a whole (KVG-005)
+                return list(job.block_ids), None
             if failed and plan is not None:
                 bad = set(failed)
                 keep = [(b, s) for b, s in zip(job.block_ids, slots) if b not in bad]
@@ -752,7 +788,8 @@ class OffloadWorker(WorkerConnector):
                 self._store_failed.discard(rid)
                 self._failed_stores.add(rid)
         self._failed = frozenset(failed)
-        self._invalid = frozenset(invalid)
+        # Several groups: a failed load is its request's, never block ids (KVG-005).
+        self._invalid = frozenset(invalid) if not self._groups else frozenset()
         return frozenset(sending), frozenset(recving)
 
     def get_failed_recving(self) -> frozenset[str]:
@@ -787,8 +824,11 @@ class OffloadWorker(WorkerConnector):
     def wait_for_save(self) -> None:
         """``store_path="background"``: return at once; stored blocks are held by a delayed
         free until reported, so no block the next step may overwrite is read (WRK-007).
+        With several KV-cache groups, run the step's stores now and wait for them, up to
+        their deadlines (``_stores_after_forward``).
         ``"layerwise"``: copy the blocks the forward staged into their pool slots (complete
         on return), and complete the store jobs whose blocks are all in the pool."""
+        self._stores_after_forward()
         stage = self._stage
         if stage is None or not stage.pending:
             return
@@ -807,6 +847,28 @@ class OffloadWorker(WorkerConnector):
             return
         for j, start, end in staged:
             self._stored(j, start, end)
+
+    def _stores_after_forward(self) -> None:
+        """Several groups: submit the stores held back by ``_start`` (their blocks are
+        written now) and wait for them, up to each deadline: the engine may free a sliding
+        window's blocks at its next schedule, so a copy still running is cancelled (it
+        fails, its slots stay invalid, WRK-014)."""
+        jobs, self._after_forward = self._after_forward, []
+        if not jobs:
+            return
+        executor = self._executor
+        assert executor is not None
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()  # the forward's KV writes
+        for j in jobs:
+            j.future = executor.submit(self._run, j, event)
+        for j in jobs:
+            assert j.future is not None
+            done, _ = concurrent.futures.wait((j.future,), max(0.0, j.deadline - time.monotonic()))
+            if not done:
+                self._cancel(j)
 
     def _stored(self, j: _Job, start: int, end: int) -> None:
         """Blocks ``start:end`` of queued store ``j`` are in the pool: tag their slots, and

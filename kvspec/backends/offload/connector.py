@@ -2,8 +2,10 @@
 
 Declares asynchronous loads, delayed free, no per-layer hooks (GRA-001: safe under FULL
 graphs, DRY-003), failed loads reported as invalid blocks (WRK-011), every stride order
-and both K/V packings (LAY-010). ``SyncLoadOffloadConnector`` loads synchronously instead
-(``sync_loads``).
+and both K/V packings (LAY-010), and hybrid models: a full-attention group beside
+sliding-window groups (KVG-002; with several groups a layer-outermost order, and failed
+loads per request, KVG-005). ``SyncLoadOffloadConnector`` loads synchronously instead
+(``sync_loads``); it and ``LayerwiseOffloadConnector`` move one group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvspec.protocols import (
     ConnectorFactory,
     EngineConfigView,
     FailureReporting,
+    GroupKind,
     HookGraphMode,
     SchedulerConnector,
     WorkerConnector,
@@ -26,6 +29,9 @@ from ._scheduler import OffloadScheduler
 from ._worker import OffloadWorker
 
 __all__ = ["LayerwiseOffloadConnector", "OffloadConnector", "SyncLoadOffloadConnector"]
+
+
+_FULL_ONLY = frozenset({GroupKind.FULL})
 
 
 class OffloadConnector(ConnectorFactory):
@@ -49,7 +55,7 @@ class OffloadConnector(ConnectorFactory):
     @property
     def capabilities(self) -> Capabilities:
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
-        preemption fences (WRK-012)."""
+        preemption fences (WRK-012), full and sliding-window groups (up to 8)."""
         return Capabilities(
             async_loads=True,
             delayed_free=True,
@@ -59,6 +65,8 @@ class OffloadConnector(ConnectorFactory):
             failure_reporting=FailureReporting.INVALID_BLOCKS,
             handles_preemptions=True,
             fault_injection=True,
+            kv_cache_groups=8,
+            group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW}),
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
@@ -85,8 +93,9 @@ class LayerwiseOffloadConnector(OffloadConnector):
 
     @property
     def capabilities(self) -> Capabilities:
-        """As ``OffloadConnector``, with ``CAPTURABLE`` per-layer hooks."""
-        return attrs.evolve(super().capabilities, layer_hooks=HookGraphMode.CAPTURABLE)
+        """As ``OffloadConnector``, with ``CAPTURABLE`` per-layer hooks, one group."""
+        return attrs.evolve(super().capabilities, layer_hooks=HookGraphMode.CAPTURABLE,
+                            kv_cache_groups=1, group_kinds=_FULL_ONLY)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
         """Build the scheduler role; a match that reaches a store in flight waits for its
@@ -117,9 +126,11 @@ class SyncLoadOffloadConnector(OffloadConnector):
 
     @property
     def capabilities(self) -> Capabilities:
-        """As ``OffloadConnector``, without async loads, with ``EAGER`` per-layer hooks."""
+        """As ``OffloadConnector``, without async loads, with ``EAGER`` per-layer hooks, one
+        group (a failed sync load names block ids, which several groups forbid, KVG-005)."""
         return attrs.evolve(super().capabilities, async_loads=False,
-                            layer_hooks=HookGraphMode.EAGER)
+                            layer_hooks=HookGraphMode.EAGER, kv_cache_groups=1,
+                            group_kinds=_FULL_ONLY)
 
     @staticmethod
     def _sync(config: EngineConfigView) -> EngineConfigView:
