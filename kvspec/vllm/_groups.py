@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvspec.protocols import CapabilityError, GroupKind, KVCacheGroup
+from kvspec.protocols import CapabilityError, GroupKind, InvalidArgumentError, KVCacheGroup
 
 __all__ = ["groups_of"]
 
@@ -40,10 +40,15 @@ def groups_of(kv_cache_config: Any) -> tuple[KVCacheGroup, ...]:
     Raises:
         CapabilityError: a group of a kind kvspec does not describe, or one vLLM excludes
             from KV transfer, named by index, spec class and first layer.
+        InvalidArgumentError: a group without a spec or layer names.
     """
     out = []
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ()):
-        spec = group.kv_cache_spec
+        spec = getattr(group, "kv_cache_spec", None)
+        if spec is None or not isinstance(getattr(group, "layer_names", None), (list, tuple)):
+            raise InvalidArgumentError(
+                f"vLLM KV-cache group {index} is {group!r:.120}; expected a KVCacheGroupSpec "
+                "with kv_cache_spec and layer_names", clause="KVG-001")
         kind = _kind(spec)
         name = type(spec).__name__
         layers = tuple(group.layer_names)

@@ -76,6 +76,8 @@ def _engine(spec: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20), seed=0,
         enable_prefix_caching=spec.get("prefix_caching", False),
     )
+    if "disable_hma" in spec:  # vLLM's hybrid KV-cache allocator off (True) or forced on
+        kwargs["disable_hybrid_kv_cache_manager"] = bool(spec["disable_hma"])
     factory = spec.get("factory")
     if factory:
         from kvspec.vllm import transfer_config

@@ -18,10 +18,13 @@ from typing import Any
 from kvspec.protocols import (
     ConnectorFactory,
     EngineConfigView,
+    GroupKind,
     InvalidArgumentError,
     TransferRole,
     load_factory,
 )
+
+from ._groups import groups_of
 
 __all__ = [
     "ADAPTER_KEYS",
@@ -106,11 +109,13 @@ def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigVi
 
     ``num_layers`` counts the attention layers of every KV-cache group, ``num_blocks`` is
     the KV-cache config's block budget (LAY-003), ``extra`` is the extra config without the
-    adapter's own keys.
+    adapter's own keys, ``kv_cache_groups`` vLLM's groups when there are several or the one
+    is not full attention (KVG-001; vLLM's hybrid allocator is on).
 
     Raises:
         InvalidArgumentError: a field vLLM should have set is missing or malformed, or the
             extra config is not JSON-representable plain data (SCH-018).
+        CapabilityError: a group kvspec cannot describe (``groups_of``, KVG-001).
     """
     xfer = getattr(vllm_config, "kv_transfer_config", None)
     if xfer is None:
@@ -125,6 +130,11 @@ def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigVi
         )
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     num_layers = sum(len(getattr(g, "layer_names", ())) for g in groups)
+    first = getattr(groups[0], "kv_cache_spec", None) if groups else None
+    described = groups_of(kv_cache_config) if len(groups) > 1 or (
+        first is not None and type(first).__name__ != "FullAttentionSpec") else ()
+    if len(described) == 1 and described[0].kind is GroupKind.FULL:
+        described = ()  # one full-attention group (an MLA spec, say): the default
     parallel = vllm_config.parallel_config
     extra = {k: v for k, v in _extra(xfer.kv_connector_extra_config).items()
              if k not in ADAPTER_KEYS}
@@ -145,4 +155,5 @@ def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigVi
         extra=extra,
         async_scheduling=bool(getattr(getattr(vllm_config, "scheduler_config", None),
                                       "async_scheduling", False)),
+        kv_cache_groups=described,
     )

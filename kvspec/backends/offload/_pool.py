@@ -44,7 +44,7 @@ the regions of the layer storages its layers use, at that group's block id: a st
 layers of two groups share (vLLM's hybrid allocator) is held once per group. A grouped plan
 (``CopyPlan.columns``) gathers the rows of every non-null id into a temporary and scatters
 them (two copies, ``_grouped``); null ids are never read or written (KVG-004). Only the
-``"rows"`` path with a layer-outermost order moves several groups.
+``"rows"`` and ``"block"`` paths with a layer-outermost order move several groups.
 """
 
 from __future__ import annotations
@@ -221,15 +221,20 @@ class HostPool:
         self.columns = len(group_storages) if entries else 0
         """KV-cache groups the pool moves (0: one group, plans without columns)."""
         self._entry_col = self._entry_base = torch.empty(0, dtype=torch.int64)
+        self._stride_entries = stride // (r if self.path == "rows" else w)
+        self._entry_stride = self._stride_entries  # rows per block id, grouped plans
         if entries:
-            if self.path != "rows":
+            if self.path == "elements":
                 raise LayoutMismatchError(
                     "the offload backend moves several KV-cache groups only when every "
                     "region offset is a multiple of the region size", clause="LAY-010")
             self.entries_per_block = len(entries)
             self._entry_col = torch.tensor([c for c, _ in entries], dtype=torch.int64)
-            self._entry_base = self._bases[[i for _, i in entries]].unsqueeze(1)
-        self._stride_entries = stride // (r if self.path == "rows" else w)
+            if self.path == "block":  # one region per block: the view's row is the id
+                self._entry_base = torch.zeros(len(entries), 1, dtype=torch.int64)
+                self._entry_stride = 1
+            else:
+                self._entry_base = self._bases[[i for _, i in entries]].unsqueeze(1)
         self._bases_list: list[int] = self._bases.tolist()
         self._arange = torch.arange(rows, dtype=torch.int64)
         host = self.host.view(dtype)
@@ -266,7 +271,8 @@ class HostPool:
             raise LayoutMismatchError(
                 "the offload backend moves several KV-cache groups only with a "
                 f"layer-outermost order, got {layout.order.dims}", clause="LAY-010")
-        storage = [b // layout.layer_stride_bytes for b in bases]
+        storage = ([0] * len(bases) if layout.num_storage_layers == 1
+                   else [b // layout.layer_stride_bytes for b in bases])
         known = set(storage)
         for g, used in enumerate(group_storages):
             if not used or not used <= known:
@@ -425,7 +431,7 @@ class HostPool:
         e = self.entries_per_block
         ids = torch.tensor(plan.columns, dtype=torch.int64).index_select(0, self._entry_col)
         keep = ids != NULL_BLOCK_ID  # [entries, positions]
-        kv = torch.add(self._entry_base, ids, alpha=self._stride_entries)[keep]
+        kv = torch.add(self._entry_base, ids, alpha=self._entry_stride)[keep]
         host = (_int64_tensor(plan.slots).unsqueeze(0) * e
                 + torch.arange(e, dtype=torch.int64).unsqueeze(1))[keep]
         if store:

@@ -50,11 +50,15 @@ from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
 from .._tracebacks import hide_unless_harness_bug
 
-__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WorkerRuntime", "open_device"]
+__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WINDOW_POISON", "WorkerRuntime",
+           "open_device"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 FREED_POISON = POISON
 """Written into blocks the engine freed; loading it back proves a read after free."""
+WINDOW_POISON = POISON + 8
+"""Written into a sliding-window group's blocks the engine freed as the window moved;
+loading it back proves a store read a window block after the engine freed it (KVG-007)."""
 ALLOC_POISON = POISON + 2
 """Written into blocks before the first step (``alloc_poison(0)``); finding it means
 nobody wrote the block."""
@@ -203,6 +207,8 @@ class WorkerRuntime:
             self.connector.handle_preemptions(frozenset(msg["preempted"]))
         for b in msg["poison_freed"]:
             self._poison(b, FREED_POISON)
+        for b in msg.get("poison_window", ()):
+            self._poison(b, WINDOW_POISON)
         for b in msg.get("poison_preempted", ()):
             self._poison(b, PREEMPTED_POISON)
             self._reused[b] = self._reused.pop(b, [])  # the most recent last
@@ -525,6 +531,13 @@ class WorkerRuntime:
                     "engine writes into freed blocks: the connector read blocks after "
                     "request_finished returned False", "expected": "no read of a request's "
                     "blocks after request_finished returned False"}
+        if loaded and bool((got == WINDOW_POISON).all()):
+            return {"clause": "KVG-007", "observed": f"{where} was loaded with the poison the "
+                    "engine writes into sliding-window blocks it freed as the window moved: "
+                    "what was stored for these tokens was read after the engine's next "
+                    "schedule freed the block", "expected": "a running request's window "
+                    "blocks read before the next schedule (in the step that computed them); "
+                    "a block not read in time treated as not stored"}
         if loaded and bool((got == NULL_POISON).all()):
             return {"clause": "KVG-004", "observed": f"{where} was loaded with the null block's "
                     "bytes: what was stored for these tokens was read from a position the "

@@ -247,6 +247,7 @@ class Engine:
         self.awaited: dict[tuple[str, Direction], tuple[int, float]] = {}
         self.step_id = -1
         self._poison_freed: list[int] = []
+        self._poison_window: list[int] = []  # freed as the window moved (KVG-007)
         self._poison_preempted: list[int] = []
         self._poison_alloc: list[int] = []
         self._finished_ids: list[str] = []
@@ -479,6 +480,7 @@ class Engine:
             "step": self.step_id,
             "sync_loads": self._sync_loads,
             "poison_freed": self._take(self._poison_freed),
+            "poison_window": self._take(self._poison_window),
             "poison_preempted": self._take(self._poison_preempted),
             "poison_alloc": self._take(self._poison_alloc),
             "preempted": sorted(out_view.preempted_req_ids),
@@ -668,7 +670,7 @@ class Engine:
         gone = [b for b in r.window[:end] if b != NULL_BLOCK_ID]
         if gone:
             r.window[:end] = [NULL_BLOCK_ID] * end
-            self._poison_freed += self.pool.free(gone)
+            self._poison_window += self.pool.free(gone)
 
     def _blocks(self, r: _Req, start: int = 0, start_w: int = 0) -> AllocatedBlocks:
         """The request's blocks, per group, from position ``start`` (``start_w`` in the

@@ -75,7 +75,7 @@ class TestEngine(ConformanceSuite):
         }
 
     @pytest.mark.kvspec_clause("KVG-001", "KVG-002", "KVG-003", "KVG-004", "KVG-005",
-                               "KVG-006", "WRK-011", "WRK-013")
+                               "KVG-006", "KVG-007", "WRK-011", "WRK-013")
     def test_hybrid_model(self, tmp_path: Path) -> None:
         """Every scenario on a hybrid model: a sliding-window group of 8 tokens (the odd
         layers) beside the full-attention one, whose out-of-window positions the engine
