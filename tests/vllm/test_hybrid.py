@@ -84,3 +84,36 @@ def test_offload_stores_and_loads_both_groups_of_the_hybrid_model(
         assert all(r["tokens"] != b for r, b in zip(noisy, baseline)), group
         e.call(f"{PROBES}:restore_offload_pool")
     assert [r["tokens"] for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)] == baseline
+
+
+def test_nixl_hands_both_groups_of_the_hybrid_model_to_a_decode_engine(
+        vllm_logs: Path, engines: list[Any]) -> None:
+    """A prefill engine and a decode engine, each with the hybrid allocator on (2 groups):
+    the hand-off names both groups' blocks, the decode engine READs every full block of
+    both groups (the window group's early positions are null on both sides) and
+    generates the tokens of an engine without a connector; with the producer's KV
+    poisoned after its prefill, other tokens."""
+    with engine(SPEC, vllm_logs, "hybrid-pd-baseline") as e:
+        baseline = [r["tokens"] for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)]
+    nixl = "kvspec.backends.nixl:NixlConnector"
+    prefill = engine({**SPEC, "factory": nixl, "kv_role": "kv_producer"}, vllm_logs,
+                     "hybrid-pd-prefill")
+    engines.append(prefill)
+    decode = engine({**SPEC, "factory": nixl, "kv_role": "kv_consumer"}, vllm_logs,
+                    "hybrid-pd-decode")
+    engines.append(decode)
+    assert len(_groups(decode)["groups"]) == len(_groups(prefill)["groups"]) == 2
+    full = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+    for poisoned in (False, True):
+        out = prefill.generate(PROMPTS, max_tokens=1,
+                               kv_transfer_params=[{"do_remote_decode": True}] * len(PROMPTS))
+        params = [r["kv_transfer_params"] for r in out]
+        assert all(len(p["groups"]) == 2 and 0 in p["groups"][0] for p in params), params
+        if poisoned:
+            assert prefill.call(f"{PROBES}:poison_kv") > 0
+        got = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+        assert [r["num_cached_tokens"] for r in got] == full
+        if poisoned:
+            assert all(r["tokens"] != b for r, b in zip(got, baseline))
+        else:
+            assert [r["tokens"] for r in got] == baseline

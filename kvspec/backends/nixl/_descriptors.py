@@ -273,12 +273,15 @@ class BlockGeometry:
 
 
 def descriptor_indices(
-    block_ids: npt.NDArray[np.int64], per_block: int, num_blocks: int
+    block_ids: npt.NDArray[np.int64], per_block: int, num_blocks: int,
+    runs: npt.NDArray[np.int64] | None = None,
 ) -> npt.NDArray[np.int32]:
     """Indices into a run-major prepared list (``BlockGeometry.descriptor_rows``) of
     the descriptors of ``block_ids``, run outer and block inner, so that runs of
-    consecutive block ids on both sides are consecutive indices NIXL can merge."""
-    slots = np.arange(per_block, dtype=np.int64) * num_blocks
+    consecutive block ids on both sides are consecutive indices NIXL can merge. ``runs``:
+    only these run indices (of ``per_block``) of each block, e.g. the regions of one
+    KV-cache group's layers."""
+    slots = (np.arange(per_block, dtype=np.int64) if runs is None else runs) * num_blocks
     return (slots[:, None] + block_ids[None, :]).reshape(-1).astype(np.int32)
 
 

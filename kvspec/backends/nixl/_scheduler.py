@@ -14,6 +14,12 @@ Prefill/decode disaggregation, as vLLM's NIXL connector does it:
   metadata once per peer, then READs and polls. A failed or timed-out READ ends as a failed
   receive with every block of it invalid, and the engine recomputes them (WRK-011, ERR-007).
 
+With several KV-cache groups (KVG-001) the hand-off carries every group's block ids
+(``groups``, the null block where the producer's window had let a position go), a match
+reaches only as far as every group's needed blocks were handed off (KVG-003), and each
+load names both engines' ids per group; the workers read each group's layers at its ids
+and never the null block (KVG-004), and a failed READ fails its request (KVG-005).
+
 The engines may run different TP sizes: the hand-off carries every producer rank's
 ``PeerInfo``, and each consumer rank reads the producer ranks whose KV heads overlap its
 own (see ``kvspec.backends.nixl._worker``); the model's head counts must agree (HSK-003).
@@ -32,6 +38,7 @@ import attrs
 from typing_extensions import Self
 
 from kvspec.protocols import (
+    NULL_BLOCK_ID,
     AllocatedBlocks,
     ConnectorMetadata,
     EngineConfigView,
@@ -57,6 +64,7 @@ from .._checks import (
     check_request,
     check_scheduler_output,
 )
+from .._groups import spine_of, whole_prefix
 
 __all__ = ["NixlLoad", "NixlMetadata", "NixlScheduler", "NixlSettings", "PARAMS_KIND"]
 
@@ -64,7 +72,7 @@ PARAMS_KIND = "kvspec.nixl.handoff"
 """The ``"kind"`` of the backend's ``kv_transfer_params``."""
 
 _META_KIND = "kvspec.nixl"
-_META_VERSION = 2
+_META_VERSION = 3
 
 _SECRET = re.compile(r"[0-9a-f]{32}")
 
@@ -132,12 +140,26 @@ class NixlSettings:
         )
 
 
-def _block_list(value: object, what: str) -> tuple[int, ...]:
+def _block_list(value: object, what: str, *, nulls: bool = False) -> tuple[int, ...]:
+    """Distinct block ids >= 0 (``nulls``: the null block may repeat, KVG-004)."""
     if not isinstance(value, (list, tuple)) or not set(map(type, value)) <= {int} or (
         value and min(value) < 0
-    ) or len(set(value)) != len(value):
-        raise InvalidArgumentError(f"{what} must be distinct block ids >= 0, got {value!r}")
+    ) or len(set(value)) != len(value) and not (
+        nulls and len(set(value) - {NULL_BLOCK_ID}) == len(value) - value.count(NULL_BLOCK_ID)
+    ):
+        raise InvalidArgumentError(f"{what} must be distinct block ids >= 0, got {value!r:.200}")
     return tuple(value)
+
+
+def _columns(value: object, n: int, what: str) -> tuple[tuple[int, ...], ...]:
+    """Several groups' block-id columns of ``n`` positions each (nulls allowed), or ()."""
+    if not isinstance(value, (list, tuple)) or len(value) == 1 or len(value) > 64:
+        raise InvalidArgumentError(f"{what} must be two or more block-id columns or none, "
+                                   f"got {value!r:.200}")
+    cols = tuple(_block_list(c, what, nulls=True) for c in value)
+    if any(len(c) != n for c in cols):
+        raise InvalidArgumentError(f"{what} columns must have {n} block ids each")
+    return cols
 
 
 @attrs.frozen
@@ -154,6 +176,10 @@ class NixlLoad:
             (the producer's request id).
         secret: The hand-off's secret from the producer's ``kv_transfer_params``, sent
             with the notification: the producer counts only notifications that carry it.
+        local_groups, remote_groups: With several KV-cache groups, each group's consumer
+            and producer block ids at the load's positions (``NULL_BLOCK_ID`` where a
+            side skipped one); empty with one group. ``local_blocks`` and
+            ``remote_blocks`` are then the full-attention group's columns.
 
     Raises:
         InvalidArgumentError: a field is malformed.
@@ -165,6 +191,8 @@ class NixlLoad:
     remote_blocks: tuple[int, ...]
     notification: str
     secret: str
+    local_groups: tuple[tuple[int, ...], ...] = ()
+    remote_groups: tuple[tuple[int, ...], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         for name in ("request_id", "engine_id", "notification"):
@@ -179,13 +207,22 @@ class NixlLoad:
                 f"load of {self.request_id!r} pairs {len(self.local_blocks)} local with "
                 f"{len(self.remote_blocks)} remote blocks"
             )
+        n = len(self.local_blocks)
+        if self.local_groups or self.remote_groups:
+            local = _columns(self.local_groups, n, "local_groups")
+            remote = _columns(self.remote_groups, n, "remote_groups")
+            if len(local) != len(remote) or self.local_blocks not in local:
+                raise InvalidArgumentError(
+                    f"load of {self.request_id!r}: {len(local)} local and {len(remote)} "
+                    "remote group columns, local_blocks among them; expected as many")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields (block ids as lists)."""
         return {"request_id": self.request_id, "engine_id": self.engine_id,
                 "local_blocks": list(self.local_blocks),
                 "remote_blocks": list(self.remote_blocks), "notification": self.notification,
-                "secret": self.secret}
+                "secret": self.secret, "local_groups": [list(c) for c in self.local_groups],
+                "remote_groups": [list(c) for c in self.remote_groups]}
 
 
 _META_KEYS = frozenset({"kind", "version", "loads", "sends", "peers"})
@@ -272,6 +309,10 @@ class NixlMetadata:
                     _block_list(value["local_blocks"], "local_blocks"),
                     _block_list(value["remote_blocks"], "remote_blocks"), value["notification"],
                     value["secret"],
+                    tuple(map(tuple, value["local_groups"]))
+                    if isinstance(value["local_groups"], list) else value["local_groups"],
+                    tuple(map(tuple, value["remote_groups"]))
+                    if isinstance(value["remote_groups"], list) else value["remote_groups"],
                 ))
             except InvalidArgumentError as e:
                 _malformed(f"loads[{i}]: {e.message}")
@@ -295,6 +336,7 @@ class _Handoff:
     blocks: tuple[int, ...]
     peers: Mapping[int, Mapping[str, Any]]
     secret: str
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
@@ -314,9 +356,13 @@ def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
         engine, rid = params["engine_id"], params["request_id"]
         if not isinstance(engine, str) or not engine or not isinstance(rid, str) or not rid:
             raise InvalidArgumentError("engine_id and request_id must be non-empty strings")
-        return _Handoff(engine, rid, _block_list(params["blocks"], "blocks"),
-                        {int(r): p for r, p in peers.items()},
-                        _check_secret(params["secret"], "secret"))
+        blocks = _block_list(params["blocks"], "blocks")
+        groups = _columns(params["groups"], len(blocks), "groups") if "groups" in params \
+            else ()
+        if groups and blocks not in groups:
+            raise InvalidArgumentError("blocks must be one of the groups' columns")
+        return _Handoff(engine, rid, blocks, {int(r): p for r, p in peers.items()},
+                        _check_secret(params["secret"], "secret"), groups)
     except KeyError as e:
         raise MalformedMetadataError(
             f"kv_transfer_params of kind {PARAMS_KIND!r} lack the key {e}; expected "
@@ -337,6 +383,8 @@ class NixlScheduler(SchedulerConnector):
         self._settings = NixlSettings.from_config(config)
         self._config = config
         self._bs = config.block_size
+        self._groups = config.kv_cache_groups if config.num_groups > 1 else ()
+        self._spine = spine_of(config, "NIXL")
         self._producer = config.role in (TransferRole.PRODUCER, TransferRole.BOTH)
         self._peers: dict[int, Mapping[str, Any]] = {}
         self._peers_sent: dict[str, Mapping[int, Mapping[str, Any]]] = {}
@@ -362,7 +410,18 @@ class NixlScheduler(SchedulerConnector):
         h = _handoff(request.kv_transfer_params)
         if h is None or computed % self._bs or request.request_id in self._consumed:
             return h, 0
+        if len(h.groups or (h.blocks,)) != len(self._groups or (None,)):
+            raise MalformedMetadataError(
+                f"the hand-off of request {request.request_id!r} carries "
+                f"{len(h.groups) or 1} KV-cache group(s); this engine runs "
+                f"{len(self._groups) or 1}: both engines must run the model's groups alike "
+                "(vLLM: the same --disable-hybrid-kv-cache-manager)", clause="SCH-018")
         usable = min(len(h.blocks), (request.num_prompt_tokens - 1) // self._bs)
+        start = computed // self._bs
+        if self._groups and usable > start:  # only as far as every needed block came
+            cols = h.groups
+            usable = start + whole_prefix(self._groups, self._spine, start, usable - start,
+                                          self._bs, lambda g, i: cols[g][i] == NULL_BLOCK_ID)
         return h, max(0, usable * self._bs - computed)
 
     def get_num_new_matched_tokens(
@@ -418,14 +477,21 @@ class NixlScheduler(SchedulerConnector):
                 f"are not whole blocks of {self._bs}", clause="SCH-007",
             )
         first, last = start // self._bs, (start + num_external_tokens) // self._bs
-        ids = blocks.block_ids(0)
-        if last > len(h.blocks) or last > len(ids):
+        ids = blocks.block_ids(self._spine)
+        shortest = min(map(len, blocks.groups))
+        if last > len(h.blocks) or last > shortest:
             raise InvalidArgumentError(
                 f"request {rid!r}: external blocks [{first}, {last}) exceed the "
-                f"{len(h.blocks)} handed-off or {len(ids)} allocated blocks", clause="SCH-010",
+                f"{len(h.blocks)} handed-off or {shortest} allocated blocks", clause="SCH-010",
             )
+        local_groups: tuple[tuple[int, ...], ...] = ()
+        remote_groups: tuple[tuple[int, ...], ...] = ()
+        if self._groups and last > first:
+            local_groups = tuple(tuple(g[first:last]) for g in blocks.groups)
+            remote_groups = tuple(c[first:last] for c in h.groups)
         self._pending_loads.append(NixlLoad(rid, h.engine_id, tuple(ids[first:last]),
-                                            h.blocks[first:last], h.request_id, h.secret))
+                                            h.blocks[first:last], h.request_id, h.secret,
+                                            local_groups, remote_groups))
         self._consumed.add(rid)
         if num_external_tokens:
             self._loading.add(rid)
@@ -445,6 +511,38 @@ class NixlScheduler(SchedulerConnector):
         """
         rid = check_request(request).request_id
         AllocatedBlocks.single(block_ids).check_budget(self._config.num_blocks)
+        if self._groups:
+            raise InvalidArgumentError(
+                f"request_finished for request {rid!r} on an engine with {len(self._groups)} "
+                "KV-cache groups; expected request_finished_all_groups (KVG-006)",
+                clause="KVG-006")
+        return self._finish(request, block_ids, ())
+
+    def request_finished_all_groups(
+        self, request: RequestView, blocks: AllocatedBlocks
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        """``request_finished`` with every group's blocks (KVG-006): the hand-off names
+        each group's ids of the full prompt blocks (the null block where a group let a
+        position go), and the delayed free holds every group's blocks.
+
+        Raises:
+            As ``request_finished``; InvalidArgumentError when ``blocks`` does not have
+            the engine's groups (KVG-006).
+        """
+        if not self._groups:
+            return super().request_finished_all_groups(request, blocks)
+        check_request(request)
+        check_blocks(blocks)
+        blocks.check_budget(self._config.num_blocks)
+        if blocks.num_groups != len(self._groups):
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} finished with {blocks.num_groups} groups of "
+                f"blocks; the engine has {len(self._groups)}", clause="KVG-006")
+        return self._finish(request, blocks.block_ids(self._spine), blocks.groups)
+
+    def _finish(self, request: RequestView, block_ids: tuple[int, ...],
+                groups: tuple[tuple[int, ...], ...]) -> tuple[bool, Mapping[str, Any] | None]:
+        rid = request.request_id
         self._known.discard(rid)
         self._asked.pop(rid, None)
         self._consumed.discard(rid)
@@ -454,17 +552,20 @@ class NixlScheduler(SchedulerConnector):
         ):
             return False, None
         full = min(len(block_ids), request.num_prompt_tokens // self._bs,
-                   request.num_computed_tokens // self._bs)
+                   request.num_computed_tokens // self._bs, *map(len, groups))
         if full == 0 or not self._peers:
             return False, None
         self._sending.add(rid)
         secret = new_handoff_secret()
         self._pending_sends[rid] = secret
-        return True, {
+        params: dict[str, Any] = {
             "kind": PARAMS_KIND, "engine_id": self._config.engine_id, "request_id": rid,
             "blocks": list(block_ids[:full]), "secret": secret,
             "peers": {str(r): thaw_params(p) for r, p in sorted(self._peers.items())},
         }
+        if groups:
+            params["groups"] = [list(g[:full]) for g in groups]
+        return True, params
 
     # -- per step -----------------------------------------------------------------------
 

@@ -538,15 +538,20 @@ class NixlEndpoint:
     def start_read(
         self,
         peer: str,
-        local_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
-        remote_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
+        local_blocks: Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[np.integer[Any]],
+        remote_blocks: Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[np.integer[Any]],
         *,
         timeout: float,
         notification: bytes = b"",
+        runs: Sequence[Sequence[int]] | None = None,
     ) -> NixlTransfer:
         """Start one prepared READ of ``remote_blocks`` of ``peer`` into ``local_blocks``
         (pairwise) as one NIXL transfer; the peer receives ``notification`` once it
         completed. Never blocks beyond NIXL's post (which may copy synchronously).
+
+        ``runs`` (several KV-cache groups, KVG-008): one tuple of run indices into
+        ``pair_runs(peer)`` per part; ``local_blocks`` and ``remote_blocks`` are then one
+        sequence of block ids per part, and each part moves only its runs of its blocks.
 
         An empty read completes at once and sends ``notification`` as a standalone
         notification, so the peer can still free its blocks. NIXL faults do not raise: the
@@ -573,13 +578,9 @@ class NixlEndpoint:
         with self._lock:
             self._check_open()
             entry = self._peer(peer)
-            local = self._geometry.block_ids(local_blocks, "local")
-            remote = entry.info.geometry.block_ids(remote_blocks, f"peer {peer!r}")
-            if local.size != remote.size:
-                raise InvalidArgumentError(
-                    f"got {local.size} local and {remote.size} remote block ids; a read "
-                    f"pairs them one to one"
-                )
+            parts = self._parts(entry, local_blocks, remote_blocks, runs)
+            local = np.concatenate([p[0] for p in parts])
+            remote = np.concatenate([p[1] for p in parts])
             if np.unique(local).size != local.size:
                 raise InvalidBlockIdError(
                     "a local block id appears twice in one read; each local block is "
@@ -592,8 +593,9 @@ class NixlEndpoint:
                 remote_blocks=tuple(remote.tolist()),
                 notification=notification,
                 deadline=self._clock() + float(timeout),
-                nbytes=int(local.size) * sum(entry.lengths),
-                num_descriptors=int(local.size) * entry.per_block,
+                nbytes=sum(int(lo.size) * int(sum(entry.lengths[int(r)] for r in rs))
+                           for lo, _, rs in parts),
+                num_descriptors=sum(int(lo.size) * rs.size for lo, _, rs in parts),
             )
             if local.size == 0:
                 if notification and not self._notify(peer, notification):
@@ -607,11 +609,13 @@ class NixlEndpoint:
                 handle = self._agent.make_prepped_xfer(
                     "READ",
                     self._local[entry.local_key],
-                    descriptor_indices(local, entry.per_block, self._geometry.num_blocks),
+                    np.concatenate([descriptor_indices(lo, entry.per_block,
+                                                       self._geometry.num_blocks, rs)
+                                    for lo, _, rs in parts]),
                     entry.remote_handle,
-                    descriptor_indices(
-                        remote, entry.per_block, entry.info.geometry.num_blocks
-                    ),
+                    np.concatenate([descriptor_indices(re, entry.per_block,
+                                                       entry.info.geometry.num_blocks, rs)
+                                    for _, re, rs in parts]),
                     notification,
                     backends=self._backends,
                 )
@@ -627,6 +631,53 @@ class NixlEndpoint:
                 return transfer
             self._settle(transfer, handle, status)
             return transfer
+
+    def _parts(self, entry: _Peer, local_blocks: Any, remote_blocks: Any,
+               runs: Sequence[Sequence[int]] | None
+               ) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
+                               npt.NDArray[np.int64]]]:
+        """``(local ids, remote ids, run indices)`` of each part of a read, checked."""
+        if runs is None:
+            pairs = [(local_blocks, remote_blocks, np.arange(entry.per_block, dtype=np.int64))]
+        else:
+            if not isinstance(runs, (list, tuple)) or not runs or not all(
+                    isinstance(r, (list, tuple)) and r and set(map(type, r)) <= {int}
+                    and min(r) >= 0 and max(r) < entry.per_block and len(set(r)) == len(r)
+                    for r in runs):
+                raise InvalidArgumentError(
+                    f"runs must be non-empty tuples of distinct run indices in "
+                    f"[0, {entry.per_block}), got {runs!r:.120}")
+            if not isinstance(local_blocks, (list, tuple)) or not isinstance(
+                    remote_blocks, (list, tuple)) or not len(local_blocks) == len(
+                    remote_blocks) == len(runs) or not all(
+                    isinstance(b, (list, tuple, np.ndarray)) for b in (*local_blocks,
+                                                                        *remote_blocks)):
+                raise InvalidArgumentError(
+                    f"with {len(runs)} run sets, local and remote blocks must be "
+                    f"{len(runs)} sequences each")
+            pairs = [(lo, re, np.asarray(r, dtype=np.int64))
+                     for lo, re, r in zip(local_blocks, remote_blocks, runs)]
+        out = []
+        for lo, re, rs in pairs:
+            local = self._geometry.block_ids(lo, "local")
+            remote = entry.info.geometry.block_ids(re, f"peer {entry.info.agent_name!r}")
+            if local.size != remote.size:
+                raise InvalidArgumentError(
+                    f"got {local.size} local and {remote.size} remote block ids; a read "
+                    f"pairs them one to one"
+                )
+            out.append((local, remote, rs))
+        return out
+
+    def pair_runs(self, peer: str) -> BlockRuns:
+        """The local byte runs of block 0 that a read from ``peer`` moves, in descriptor
+        pair order (``runs`` of ``start_read`` index them).
+
+        Raises:
+            InvalidArgumentError: unknown peer.
+        """
+        with self._lock:
+            return self._peer(peer).local_key
 
     def poll(self, transfer: NixlTransfer) -> TransferState:
         """Update and return ``transfer``'s state without blocking. A transfer still in

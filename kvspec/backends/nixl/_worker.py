@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from kvspec.protocols import (
+    NULL_BLOCK_ID,
     SPEC_VERSION,
     CompatibilityError,
     ConnectorMetadata,
@@ -43,6 +44,7 @@ from kvspec.protocols import (
     InvalidArgumentError,
     KVCacheLayout,
     KVSpecError,
+    LayoutMismatchError,
     MetadataSlot,
     SupportsAggregate,
     TransferRole,
@@ -209,6 +211,9 @@ class NixlWorker(WorkerConnector):
         self._counters: dict[str, int] = {}
         self._poller: _Poller | None = None  # consumers: sends move while the engine idles
         self._closed = False
+        self._groups = config.kv_cache_groups if config.num_groups > 1 else ()
+        self._storages: tuple[frozenset[int], ...] = ()  # layer storages of each group
+        self._group_runs: dict[str, tuple[tuple[int, ...], ...]] = {}  # peer -> runs of each
 
     # -- registration -------------------------------------------------------------------
 
@@ -235,6 +240,19 @@ class NixlWorker(WorkerConnector):
             )
         tensors = list(kv_caches.values())
         layout.check_layer_tensors(tensors)
+        if self._groups:
+            if layout.order.block_outermost:
+                raise LayoutMismatchError(
+                    "the NIXL backend moves several KV-cache groups only with a "
+                    f"layer-outermost order, got {layout.order.dims}", clause="LAY-010")
+            slot_of = dict(zip(kv_caches, layout.layer_slots))
+            missing = [n for g in self._groups for n in g.layer_names if n not in slot_of]
+            if missing:
+                raise InvalidArgumentError(
+                    f"KV-cache groups name layers {missing[:3]} that were not registered",
+                    clause="KVG-001")
+            self._storages = tuple(frozenset(slot_of[n] for n in g.layer_names)
+                                   for g in self._groups)
         # A consumer only reads: polling drives its transfers, and NIXL's progress thread,
         # which busy-polls a core, is needed only by ranks whose memory others read.
         self.endpoint = NixlEndpoint(
@@ -391,6 +409,14 @@ class NixlWorker(WorkerConnector):
             if load.local_blocks:
                 self._failed_early[load.request_id] = load.local_blocks
             return
+        parts = self._parts(load) if load.local_groups else None
+        if parts is None and load.local_groups:  # a block this engine needs was not handed off
+            _log.warning("rank %d: the hand-off of %s lacks a block of a KV-cache group this "
+                         "engine needs (KVG-003)", self._rank, load.request_id)
+            for source in sources:
+                endpoint.send_notification(source.agent, _notification(load, source.readers))
+            self._failed_early[load.request_id] = load.local_blocks
+            return
         if not load.local_blocks or self._faults.fail_loads:
             # nothing to read (or the fault plan fails the read): free the producer's blocks
             for source in sources:
@@ -406,10 +432,20 @@ class NixlWorker(WorkerConnector):
                       not_before=time.monotonic() + self._faults.delay_s)
         for source in sources:
             try:
+                if parts is None:
+                    entry.transfers.append(endpoint.start_read(
+                        source.agent, load.local_blocks, load.remote_blocks,
+                        timeout=self._settings.transfer_timeout_s,
+                        notification=_notification(load, source.readers),
+                    ))
+                    continue
+                runs = self._runs_of(endpoint, source.agent)
+                used = [i for i, (lo, _) in enumerate(parts) if lo]
                 entry.transfers.append(endpoint.start_read(
-                    source.agent, load.local_blocks, load.remote_blocks,
+                    source.agent, [parts[i][0] for i in used], [parts[i][1] for i in used],
                     timeout=self._settings.transfer_timeout_s,
                     notification=_notification(load, source.readers),
+                    runs=[runs[i] for i in used],
                 ))
             except CompatibilityError:
                 raise
@@ -421,6 +457,31 @@ class NixlWorker(WorkerConnector):
             self._reads[load.request_id] = entry
         else:
             self._failed_early[load.request_id] = load.local_blocks
+
+    @staticmethod
+    def _parts(load: NixlLoad) -> list[tuple[list[int], list[int]]] | None:
+        """Each group's ``(local, remote)`` ids to read, the null block left out on both
+        sides (KVG-004); None when a block this engine allocated was not handed off."""
+        parts = []
+        for local, remote in zip(load.local_groups, load.remote_groups):
+            pairs = [(lo, re) for lo, re in zip(local, remote) if lo != NULL_BLOCK_ID]
+            if any(re == NULL_BLOCK_ID for _, re in pairs):
+                return None
+            parts.append(([lo for lo, _ in pairs], [re for _, re in pairs]))
+        return parts
+
+    def _runs_of(self, endpoint: NixlEndpoint, agent: str) -> tuple[tuple[int, ...], ...]:
+        """For each group, the indices of the pair runs of ``agent`` that lie in the layer
+        storages its layers use (a storage two groups share counts for both, KVG-008)."""
+        runs = self._group_runs.get(agent)
+        if runs is None:
+            layout = endpoint.layout
+            offsets = [o for o, _ in endpoint.pair_runs(agent)]
+            storage = ([0] * len(offsets) if layout.num_storage_layers == 1
+                       else [o // layout.layer_stride_bytes for o in offsets])
+            runs = self._group_runs[agent] = tuple(
+                tuple(i for i, s in enumerate(storage) if s in used) for used in self._storages)
+        return runs
 
     def wait_for_save(self) -> None:
         """Return at once: the producer's blocks are read by the consumer, held by a
@@ -490,7 +551,8 @@ class NixlWorker(WorkerConnector):
                     and now - notes.first_seen > self._settings.free_timeout_s):
                 self._drop_note(key)
         self._failed = frozenset(failed)
-        self._invalid = frozenset(invalid)
+        # Several groups: a failed READ is its request's, never block ids (KVG-005).
+        self._invalid = frozenset(invalid) if not self._groups else frozenset()
         return frozenset(sending), frozenset(recving)
 
     def _take_notifications(self, endpoint: NixlEndpoint, now: float

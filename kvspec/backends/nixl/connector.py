@@ -14,6 +14,7 @@ from kvspec.protocols import (
     ConnectorFactory,
     EngineConfigView,
     FailureReporting,
+    GroupKind,
     HookGraphMode,
     SchedulerConnector,
     WorkerConnector,
@@ -44,7 +45,8 @@ class NixlConnector(ConnectorFactory):
     def capabilities(self) -> Capabilities:
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
         heterogeneous TP (a consumer rank reads the producer ranks whose KV heads overlap its
-        own)."""
+        own), full and sliding-window groups (up to 8; several need a layer-outermost
+        layout, and a failed READ then fails its request, KVG-005)."""
         return Capabilities(
             async_loads=True,
             delayed_free=True,
@@ -55,6 +57,8 @@ class NixlConnector(ConnectorFactory):
             handles_preemptions=True,
             heterogeneous_tp=True,
             fault_injection=True,  # fail_loads and delay_s on the consumer's READs
+            kv_cache_groups=8,
+            group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW}),
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

@@ -42,6 +42,7 @@ from kvspec.protocols import (
 )
 
 from .._checks import check_block_ids, check_blocks, check_count, check_output, check_request
+from .._groups import spine_of, whole_prefix
 from ._eviction import EvictionPolicy, make_policy
 
 __all__ = [
@@ -627,7 +628,11 @@ class OffloadScheduler(SchedulerConnector):
         self._groups = groups if len(groups) > 1 else ()
         self._spine = 0
         if self._groups:
-            self._spine = self._check_groups(config)
+            self._spine = spine_of(config, "offload")
+            if self._settings.sync_loads:
+                raise CapabilityError(
+                    "the offload backend moves several KV-cache groups only with "
+                    "asynchronous loads (failures per request, KVG-005)", clause="KVG-002")
             self._serve_pending = False  # a store runs after its step's forward
         self._partial: set[bytes] = set()  # stored (or storing) without some group's bytes
         self._inflight: dict[bytes, tuple[int, int]] = {}  # storing: key -> (slot, tag)
@@ -653,42 +658,6 @@ class OffloadScheduler(SchedulerConnector):
         self._sync_loaded: dict[int, tuple[bytes, int]] = {}  # block id -> last sync load
         self._events: list[KVCacheEvent | _Record] = []  # stores: events built on take
         self._counters: Counter[str] = Counter()
-
-    def _check_groups(self, config: EngineConfigView) -> int:
-        """The spine (the first full-attention group) of a hybrid engine.
-
-        Raises:
-            CapabilityError: no full-attention group, a group of another kind than full or
-                sliding-window attention, another block size, or synchronous loads (KVG-002).
-        """
-        spine = next((i for i, g in enumerate(self._groups) if g.kind is GroupKind.FULL), None)
-        for i, g in enumerate(self._groups):
-            if g.kind not in (GroupKind.FULL, GroupKind.SLIDING_WINDOW) or \
-                    g.block_size != config.block_size:
-                raise CapabilityError(
-                    f"KV-cache group {i} ({g.kind.value}, block size {g.block_size}) is not one "
-                    "the offload backend moves; expected full or sliding-window attention "
-                    f"with the engine's block size {config.block_size}", clause="KVG-002")
-        if spine is None or self._settings.sync_loads:
-            raise CapabilityError(
-                "the offload backend moves several KV-cache groups only beside a "
-                "full-attention group and with asynchronous loads (failures per request, "
-                "KVG-005)" if spine is not None or self._settings.sync_loads else
-                "the offload backend needs a full-attention KV-cache group to key stored "
-                "blocks by", clause="KVG-002")
-        return spine
-
-    def _whole_prefix(self, keys: Sequence[bytes], start: int, n: int) -> int:
-        """The longest ``m <= n`` stored blocks after ``start`` for which every group has
-        the blocks a match of ``(start + m)`` blocks needs (KVG-003)."""
-        bs, partial = self._block_size, self._partial
-        while n > 0:
-            end = (start + n) * bs
-            if not any(keys[i] in partial for j, g in enumerate(self._groups)
-                       if j != self._spine for i in g.needed_blocks(end) if i >= start):
-                return n
-            n -= 1
-        return 0
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -734,7 +703,9 @@ class OffloadScheduler(SchedulerConnector):
             stored = takewhile(index.__contains__, keys[start:end])  # the stored prefix
         n = len(list(stored))
         if self._partial and n:
-            n = self._whole_prefix(keys, start, n)
+            partial = self._partial
+            n = whole_prefix(self._groups, self._spine, start, n, bs,
+                             lambda _, i: keys[i] in partial)
         return n * bs
 
     def _awaits_store(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:

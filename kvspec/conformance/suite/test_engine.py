@@ -77,8 +77,9 @@ class TestEngine(ConformanceSuite):
     @pytest.mark.kvspec_clause("KVG-001", "KVG-002", "KVG-003", "KVG-004", "KVG-005",
                                "KVG-006", "KVG-007", "WRK-011", "WRK-013")
     def test_hybrid_model(self, tmp_path: Path) -> None:
-        """Every scenario on a hybrid model: a sliding-window group of 8 tokens (the odd
-        layers) beside the full-attention one, whose out-of-window positions the engine
+        """Every scenario, and a prefill engine handing requests to a decode engine, on a
+        hybrid model: a sliding-window group of 8 tokens (the odd layers) beside the
+        full-attention one, whose out-of-window positions the engine
         frees and points at the null block as vLLM's hybrid allocator does. Every group's
         loaded bytes are checked, the null block must stay unwritten (KVG-004) and a failed
         load be reported per request (KVG-005). Skipped for a connector that does not
@@ -92,6 +93,15 @@ class TestEngine(ConformanceSuite):
             serve(self.factory, SCENARIOS[name], tmp_path / name, prefix_caching=False,
                   sliding_window=8, **{**_SCENARIO_CONFIG.get(name, {}),
                                        **_HYBRID_CONFIG.get(name, {})})
+        # prefill to decode (a connector that hands nothing off lets decode recompute):
+        # prompts past the window, so the producer's window group holds nulls
+        wl = Workload([RequestSpec(f"pd-{i}", tuple(range(7 * i, 7 * i + 29 + 4 * i)),
+                                   max_new_tokens=3, arrival_step=i) for i in range(3)],
+                      name="disaggregated, hybrid")
+        cfg = config_for(caps, prefix_caching=False, sliding_window=8, max_tokens_per_step=16)
+        _, decode = run_disaggregated(self.factory, wl, prefill=cfg, decode=cfg,
+                                      tmpdir=str(tmp_path / "disaggregated"))
+        assert set(decode.finished) == {r.request_id for r in wl.requests}
 
     @pytest.mark.kvspec_clause("WRK-007", "WRK-012", "WRK-013")
     def test_connector_threads_run_late(self, tmp_path: Path) -> None:

@@ -114,7 +114,11 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
     assert NixlMetadata.decode(meta.encode()) == meta
     good = meta.encode()
     secret = S.encode()
-    for bad in (b"", b"[]", good.replace(b'"version":2', b'"version":1'),
+    for bad in (b"", b"[]", good.replace(b'"version":3', b'"version":2'),
+                good.replace(b'"local_groups":[]', b'"local_groups":[[3,4]]'),
+                good.replace(b'"local_groups":[],', b''),
+                good.replace(b'"local_groups":[]', b'"local_groups":[[3,4],[5,5]]').replace(
+                    b'"remote_groups":[]', b'"remote_groups":[[9,1],[7,8]]'),
                 good.replace(b"[3,4]", b"[3,3]"), good.replace(b"[9,1]", b"[9]"),
                 good.replace(b'"0":', b'"x":'), good.replace(b'"p2":', b'"":'),
                 good.replace(b'"sends":{', b'"sends":[{').replace(secret + b'"}', secret + b'"}]'),

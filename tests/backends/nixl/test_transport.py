@@ -715,3 +715,29 @@ def test_progress_keeps_the_notifications_it_takes_in(pair: Pair) -> None:
         time.sleep(0.005)
     assert pair.producer.notifications() == {pair.consumer.name: [b"hello"]}
     assert pair.producer.notifications() == {}
+
+
+def test_a_read_in_parts_moves_each_parts_runs_of_its_blocks(pair: Pair) -> None:
+    """KVG-008: one READ in two parts, each moving its own runs (the layers of one
+    KV-cache group) of its own blocks; nothing else is written."""
+    c, peer, layout = pair.consumer, pair.peer, pair.layout
+    regions = layout.block_region_offsets(list(range(layout.num_blocks))).tolist()
+    half = layout.regions_per_block // 2
+    first, second = tuple(range(half)), tuple(range(half, layout.regions_per_block))
+    t = c.start_read(peer, [[2, 3], [5]], [[7, 8], [9]], timeout=10, runs=[first, second])
+    assert c.wait(t) is TransferState.DONE, t.reason
+    assert t.nbytes == (2 * len(first) + len(second)) * layout.region_nbytes
+    n = layout.region_nbytes
+
+    def region(buf: torch.Tensor, block: int, r: int) -> bytes:
+        return bytes(buf[regions[block][r]: regions[block][r] + n].tolist())
+
+    for local, remote, runs in ((2, 7, first), (3, 8, first), (5, 9, second)):
+        for r in range(layout.regions_per_block):
+            want = region(pair.src, remote, r) if r in runs else bytes(n)
+            assert region(pair.dst, local, r) == want, (local, r)
+    for bad in ([(0,)], [(), (1,)], [(0, 0), (1,)], [(0,), (layout.regions_per_block,)]):
+        with pytest.raises(InvalidArgumentError):
+            c.start_read(peer, [[2], [5]], [[7], [9]], timeout=1, runs=bad)
+    with pytest.raises(InvalidArgumentError, match="sequences"):
+        c.start_read(peer, [2, 5], [7, 9], timeout=1, runs=[first, second])
