@@ -8,8 +8,11 @@ variant's clause failed and no other clause failed.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
+from broken_hybrid import BROKEN_HYBRID
 
 from kvspec.conformance.connectors.broken import BROKEN_CONNECTORS
 from kvspec.conformance.connectors.broken_graphs import BROKEN_GRAPH_CONNECTORS
@@ -214,3 +217,25 @@ def test_a_connector_without_a_preemption_fence_is_caught_without_the_fault_seam
     assert result.ret == (1 if failed else 0), result.stdout.str()[-3000:]
     data = json.loads(report.read_text())
     assert {cid for cid, row in data["clauses"].items() if row["fail"]} == failed
+
+
+@pytest.mark.parametrize(("factory", "clause"), BROKEN_HYBRID,
+                         ids=[c.__name__ for c, _ in BROKEN_HYBRID])
+def test_broken_hybrid_connector_is_caught_with_its_clause(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, factory: type, clause: str
+) -> None:
+    """The offload backend with one hybrid-model bug each (tests/conformance/
+    broken_hybrid.py), through the real plugin, caught by the hybrid suite test."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (here, os.environ.get(
+        "PYTHONPATH")))))
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        f"--kvspec-conformance=broken_hybrid:{factory.__qualname__}",
+        f"--kvspec-report={report}", "-p", "no:cacheprovider", "-x", "-k", factory.selection,
+    )
+    assert result.ret == 1, result.stdout.str()[-3000:]
+    failed = {cid for cid, row in json.loads(report.read_text())["clauses"].items()
+              if row["fail"]}
+    assert failed == {clause}
+    result.stdout.fnmatch_lines([f"*clause {clause} (*) broken by {factory().name}*"])

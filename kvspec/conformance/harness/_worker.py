@@ -486,6 +486,15 @@ class WorkerRuntime:
                 if bad:
                     p = bad[0]
                     v = self._attribute(r, hashes, p, layer, got, want)
+                    if (self._group[layer] and v["clause"] in ("WRK-005", "WRK-011", "WRK-013")
+                            and self._full_group_exact(read_out, at, p, hashes)):
+                        v = {"clause": "KVG-003", "observed": v["observed"].split(" was ")[0]
+                             + " (the sliding-window group) read wrong bytes while the "
+                             "full-attention group's layers hold the right KV for the same "
+                             "tokens: the match was offered without delivering the window "
+                             "blocks the next token attends to", "expected": "a match of N "
+                             "tokens offered only when every group's needed blocks are "
+                             "delivered (KVG-003)"}
                     if (kind is ForwardKind.REPLAY and self._hooks_replayed
                             and v["clause"] in ("WRK-005", "WRK-011", "WRK-013")):
                         v = {"clause": "GRA-006", "observed": v["observed"] + " in a replayed "
@@ -493,6 +502,13 @@ class WorkerRuntime:
                              "as the same step run eagerly (no decision frozen at capture, GRA-004)"}
                     return [v]
         return []
+
+    def _full_group_exact(self, read_out: torch.Tensor, at: int, pos: int,
+                          hashes: list[int]) -> bool:
+        """True when every full-attention layer read the right KV for token ``pos``."""
+        return all(torch.equal(read_out[layer, at + pos], self.model.kv(
+            hashes[pos:pos + 1], layer, self.heads)[0].to(self.layout.dtype))
+            for layer in range(self.config.num_layers) if not self._group[layer])
 
     def _null_block_written(self, step: int) -> list[dict[str, str]]:
         """KVG-004: with several groups, the null block still holds its poison after the
