@@ -29,7 +29,6 @@ from kvspec.protocols import (
     CapabilityError,
     ConnectorMetadata,
     EngineConfigView,
-    GroupKind,
     InvalidArgumentError,
     InvalidBlockIdError,
     KVCacheEvent,
