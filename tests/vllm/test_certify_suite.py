@@ -155,3 +155,25 @@ def test_a_findings_standalone_script_reproduces_it_in_vllm() -> None:
     assert got["line"].startswith("REPRODUCED: the tenant-b request loaded")
     assert "kvspec" not in (ROOT / "docs" / "vllm-findings" / "EX-4.py").read_text().split(
         '"""')[2]  # no kvspec import: maintainers run it with vLLM only
+
+
+def test_a_hybrid_allocator_connector_runs_the_hybrid_suite(tmp_path: Path) -> None:
+    """DecodeBenchConnector declares SupportsHMA: the wrapper plays vLLM's hybrid allocator
+    (a SlidingWindowSpec group beside the full one, every group's blocks, the finish with
+    all of them) and test_hybrid_model runs, failing with the clause its one-group tests
+    fail with (DB-1, explained). ExampleConnector, without SupportsHMA, gets one group."""
+    proc = _kvspec("conform", "vllm:DecodeBenchConnector", "--json", "--", "-k",
+                   "test_hybrid_model", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    caps = report["connectors"][0]["capabilities"]
+    assert caps["kv_cache_groups"] > 1 and "sliding_window" in caps["group_kinds"], caps
+    (test,) = report["tests"]
+    assert test["outcome"] == "fail" and test["message"].split(" ")[1] == "WRK-013", test
+    assert unexplained([ConnectorRun("DecodeBenchConnector", report, 1.0)]) == []
+    proc = _kvspec("conform", "vllm:ExampleConnector", "--json", "--", "-k",
+                   "test_hybrid_model", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["connectors"][0]["capabilities"]["kv_cache_groups"] == 1
+    assert [t["outcome"] for t in report["tests"]] == ["skip"]

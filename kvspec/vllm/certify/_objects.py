@@ -26,8 +26,10 @@ from kvspec.protocols import (
     BlockReferences,
     ForwardContextView,
     ForwardKind,
+    GroupKind,
     HarnessError,
     InvalidArgumentError,
+    KVCacheGroup,
     KVConnectorOutput,
     KVCacheLayout,
     RequestStatus,
@@ -120,16 +122,29 @@ def vllm_config(*, connector: str, module_path: str | None, role: TransferRole,
 
 
 def kv_cache_config(block_size: int, num_blocks: int, layer_names: tuple[str, ...],
-                    model: ModelShape, cache_layout: str | None = None) -> Any:
+                    model: ModelShape, cache_layout: str | None = None,
+                    groups: tuple[KVCacheGroup, ...] = ()) -> Any:
     """vLLM's ``KVCacheConfig``: one group of full-attention layers of ``model``'s shape
-    (per rank), carrying the resolved layout as the engine core's does. The scheduler role
-    gets one too, as in vLLM; it reads the groups and their block size, not the tensors."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    (per rank), or with ``groups`` (a hybrid engine, KVG-001) one ``FullAttentionSpec`` or
+    ``SlidingWindowSpec`` group per kvspec group, as vLLM's hybrid allocator describes
+    them; carrying the resolved layout as the engine core's does. The scheduler role gets
+    one too, as in vLLM; it reads the groups and their block size, not the tensors."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads,
-                             head_size=model.head_size, dtype=model.dtype)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(list(layer_names), spec)])
+    shape = {"block_size": block_size, "num_kv_heads": model.num_kv_heads,
+             "head_size": model.head_size, "dtype": model.dtype}
+    if groups:
+        specs = [KVCacheGroupSpec(list(g.layer_names), SlidingWindowSpec(
+            **shape, sliding_window=g.window) if g.kind is GroupKind.SLIDING_WINDOW
+            else FullAttentionSpec(**shape)) for g in groups]
+    else:
+        specs = [KVCacheGroupSpec(list(layer_names), FullAttentionSpec(**shape))]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
     if cache_layout is not None and hasattr(config, "kv_cache_layout"):
         config.kv_cache_layout = cache_layout
     return config

@@ -52,6 +52,7 @@ from kvspec.protocols import (
     ContractViolation,
     EngineConfigView,
     ForwardContextView,
+    GroupKind,
     HandshakeMetadata,
     HarnessError,
     InvalidArgumentError,
@@ -127,6 +128,7 @@ class VllmConnectorFactory:
         self.profile: Profile = profile_for(self._name, self.connector_class)
         self._platform: _objects.PlatformKV | None = None
         self._capabilities: Capabilities | None = None
+        self._hma = False  # vLLM keeps its hybrid allocator on for this connector's config
 
     @property
     def platform(self) -> _objects.PlatformKV:
@@ -143,6 +145,14 @@ class VllmConnectorFactory:
                 vconf = self._vllm_config(config, None, cache_layout=None)
                 names = tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers))
                 self._platform = _objects.platform_kv(vconf, _model_shape(config, None), names)
+            with _ours("asking vLLM whether the connector's config supports its hybrid "
+                       "allocator"):
+                from vllm.distributed.kv_transfer.kv_connector.factory import (
+                    KVConnectorFactory,
+                )
+
+                self._hma = bool(KVConnectorFactory.supports_hma_config(
+                    vconf.kv_transfer_config))
             # A vLLM worker process runs the platform's worker module first; vLLM-CPU's
             # (cpu_worker) stands in for CUDA events, streams and pinned memory there, and
             # connectors rely on it: every process of the wrapper imports it alike.
@@ -178,8 +188,19 @@ class VllmConnectorFactory:
             caps, platform = self.profile.capabilities, self.platform
             self._capabilities = attrs.evolve(
                 caps, accepted_layouts=(platform.layout,),
-                block_sizes=caps.block_sizes or (platform.block_size,))
+                block_sizes=caps.block_sizes or (platform.block_size,),
+                **self._hybrid())
         return self._capabilities
+
+    def _hybrid(self) -> dict[str, Any]:
+        """A connector whose config vLLM runs under its hybrid allocator (``SupportsHMA``;
+        for ``MultiConnector``, every child's) gets full and sliding-window groups
+        (KVG-002), as vLLM gives it; the others one group (vLLM turns the allocator off
+        for them)."""
+        if not self._hma:
+            return {}
+        return {"kv_cache_groups": 8,
+                "group_kinds": frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW})}
 
     def vllm_config(self, config: EngineConfigView, layout: KVCacheLayout | None = None) -> Any:
         """The ``VllmConfig`` an engine with this kvspec configuration gives the connector
@@ -400,7 +421,8 @@ class _VllmScheduler(SchedulerConnector):
                 config.block_size, config.num_blocks,
                 tuple(_LAYER_NAMES.format(i) for i in range(config.num_layers)),
                 attrs.evolve(shape, num_kv_heads=max(1, shape.num_kv_heads // config.tp_size)),
-                factory.platform.layout)
+                factory.platform.layout, config.kv_cache_groups)
+            self._groups = config.num_groups
             producer = config.role is TransferRole.PRODUCER
             self._book = _objects.RequestBook(
                 config.block_size, factory.profile.producer_params if producer else None)
@@ -434,7 +456,7 @@ class _VllmScheduler(SchedulerConnector):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         with _ours("building vLLM's SchedulerOutput"):
-            out = _objects.scheduler_output(scheduler_output, self._book, 1)
+            out = _objects.scheduler_output(scheduler_output, self._book, self._groups)
         return VllmMetadata(self._conn.build_connector_meta(out))
 
     def request_finished(
@@ -447,6 +469,19 @@ class _VllmScheduler(SchedulerConnector):
             delay, params = self._conn.request_finished_all_groups(req, (list(block_ids),))
         else:
             delay, params = self._conn.request_finished(req, list(block_ids))
+        self._book.drop(request.request_id)
+        return bool(delay), params
+
+    def request_finished_all_groups(
+        self, request: RequestView, blocks: AllocatedBlocks
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        """vLLM's hybrid allocator's finish: every group's blocks to a ``SupportsHMA``
+        connector, as vLLM's scheduler passes them (KVG-006)."""
+        if blocks.num_groups == 1:
+            return self.request_finished(request, blocks.block_ids(0))
+        req = self._req(request)
+        delay, params = self._conn.request_finished_all_groups(
+            req, tuple(list(g) for g in blocks.groups))
         self._book.drop(request.request_id)
         return bool(delay), params
 
@@ -551,7 +586,7 @@ class _VllmWorker(WorkerConnector):
             kv_config = _objects.kv_cache_config(
                 layout.block_size, layout.num_blocks, tuple(kv_caches),
                 attrs.evolve(_model_shape(self._config, layout), num_kv_heads=layout.num_heads),
-                self._factory.platform.layout)
+                self._factory.platform.layout, self._config.kv_cache_groups)
         with _guest():
             # every vLLM worker runs inside vLLM's parallel state (MooncakeStoreConnector
             # and NIXL's ask it for their TP rank): built for every connector alike
