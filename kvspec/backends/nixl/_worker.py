@@ -373,6 +373,7 @@ class NixlWorker(WorkerConnector):
         sources = self._sources.pop(engine_id, ())
         endpoint = self.endpoint
         for source in sources:
+            self._group_runs.pop(source.agent, None)
             if endpoint is not None and source.agent in endpoint.peers:
                 endpoint.remove_peer(source.agent)
 
