@@ -270,3 +270,35 @@ def test_a_hung_host_copy_in_engine_order_blocks_no_hook(
     finally:
         release.cancel()
         hang.release("load")
+
+
+def test_a_hung_sync_load_holds_start_load_kv_only_to_its_deadline(hang: _Hang) -> None:
+    """Issue 34: a synchronous load of one block (a few regions, which ran on the engine's
+    thread before) whose copy hangs: ``start_load_kv`` returns at the load's deadline, the
+    step names its block invalid, the next sync load fails at once while the loader is
+    stuck, and shutdown is bounded."""
+    from kvspec.protocols import ForwardContextView, ForwardKind
+
+    worker = _worker(offload_slots=4, io_timeout_s=DEADLINE_S, sync_loads=True)
+    try:
+        _step(worker, OffloadMetadata(stores=(TransferJob.of("s", ((1, 0, 11),), False),)))
+        _until(worker, "s", recv=False)
+        hang.arm("load")
+        for rid, block in (("l", 2), ("next", 3)):
+            worker.bind_connector_metadata(
+                OffloadMetadata(loads=(TransferJob.of(rid, ((block, 0, 11),), True),)))
+            start = time.monotonic()
+            worker.start_load_kv(ForwardContextView(ForwardKind.REAL, 7, 1, ("l0", "l1")))
+            took = time.monotonic() - start
+            worker.wait_for_save()
+            out = worker.build_connector_output(frozenset())
+            worker.clear_connector_metadata()
+            assert set(out.invalid_block_ids) == {block} and not out.finished_recving
+            if rid == "l":
+                assert DEADLINE_S - 0.05 < took < DEADLINE_S + 0.2, took
+            else:
+                assert took < 0.05, took  # the loader is stuck: failed at once
+    finally:
+        t0 = time.monotonic()
+        worker.shutdown()
+        assert time.monotonic() - t0 < 1.5

@@ -263,12 +263,13 @@ def test_after_a_late_copy_ends_the_loader_serves_again(
 
 
 def test_block_outermost_and_cuda_layouts_are_not_pipelined() -> None:
-    """A cross-layer block layout has no per-layer regions: its sync loads stay on the
-    engine's thread, and no loader thread is started."""
+    """A cross-layer block layout has no per-layer regions: its sync loads are not
+    pipelined (no layer to wait for), but still copied by the loader thread, never on the
+    engine's (issue 34)."""
     worker, _, _ = _registered(StrideOrder.BLNHC)
     try:
         assert worker.pool is not None and worker.pool.layer_chunks == ()
-        assert worker._loader is None
+        assert worker._loader is not None and not worker._layer_of
     finally:
         worker.shutdown()
 

@@ -14,15 +14,17 @@ store) or an injected fault fails its blocks: the request is reported in
 
 With ``sync_loads`` (``OffloadSettings``), loads are complete before the forward reads
 their KV and are never reported in ``finished_recving``; the blocks of a failed one are
-named in the invalid block ids of the step's ``get_finished`` (WRK-011, SCH-024). A load
-of a few regions runs on the engine's thread in ``start_load_kv`` (microseconds). A larger
-one on host memory with a layer-outermost layout is *pipelined*: a second daemon thread
-(the loader) copies it layer by layer while the forward runs, and ``wait_for_layer_load``
-waits, up to the load's deadline, for the layer the next attention reads (WRK-004,
-WRK-005): the copy of layer ``n + 1`` overlaps the attention of layer ``n``, and a copy
-that hangs holds no hook past its deadline. ``get_finished`` waits for what the forward did
-not (bounded the same way); a load past its deadline fails with every block invalid. Any
-other sync load runs on the engine's thread in ``start_load_kv``.
+named in the invalid block ids of the step's ``get_finished`` (WRK-011, SCH-024). Their
+copies run on a second daemon thread (the loader), never on the engine's: host memory can
+be a file mapping, a device or a page being swapped, and a copy that hangs must hold no
+hook past the load's deadline (WRK-014, issue 34). A large load on host memory with a
+layer-outermost layout is *pipelined*: the loader copies it layer by layer while the
+forward runs, and ``wait_for_layer_load`` waits, up to the load's deadline, for the layer
+the next attention reads (WRK-004, WRK-005): the copy of layer ``n + 1`` overlaps the
+attention of layer ``n``. ``get_finished`` waits for what the forward did not (bounded the
+same way). Any other sync load (a few blocks, or another layout) is copied by the loader
+while ``start_load_kv`` waits for it, up to its deadline. A load past its deadline fails
+with every block invalid.
 
 With several KV-cache groups (KVG-001) each job names every group's block ids; the pool
 moves each group's regions at its ids and never the null block (KVG-004). Stores run
@@ -215,9 +217,10 @@ class OffloadWorker(WorkerConnector):
             self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
         self._layout = layout
         self._executor = Runner(f"kvspec-offload-rank{self._rank}")
-        if s.sync_loads and self.pool.layer_chunks:
-            slots = layout.layer_slots
-            self._layer_of = {name: slots[i] for i, name in enumerate(kv_caches)}
+        if s.sync_loads:
+            if self.pool.layer_chunks:  # pipelined loads: each layer's storage
+                slots = layout.layer_slots
+                self._layer_of = {name: slots[i] for i, name in enumerate(kv_caches)}
             self._loader = Runner(f"kvspec-offload-loader-rank{self._rank}", any_cpu=True)
 
     # -- metadata ---------------------------------------------------------------------------
@@ -406,11 +409,11 @@ class OffloadWorker(WorkerConnector):
         sync = self._settings.sync_loads
         for job, plan in zip(jobs, plans):
             if sync and job.is_load:  # complete before the forward reads it: never reported
-                if (self._loader is not None and plan is not None and not pool.few(plan)
+                if (self._layer_of and plan is not None and not pool.few(plan)
                         and job not in after_stores):
                     self._pipeline(pool, job, plan)
                 else:
-                    self._sync_invalid.update(self._sync_load(pool, job, plan, event))
+                    self._sync_invalid.update(self._sync_load(job, plan, event))
                 continue
             j = _Job(job, plan, timeout)
             if wedged is not None:  # queued behind a stuck copy it would only time out
@@ -498,23 +501,27 @@ class OffloadWorker(WorkerConnector):
         finally:
             j.lock.release()
 
-    def _sync_load(self, pool: HostPool, job: TransferJob, plan: CopyPlan | None,
+    def _sync_load(self, job: TransferJob, plan: CopyPlan | None,
                    event: torch.cuda.Event | None) -> tuple[int, ...]:
-        """Run a synchronous load on the engine's thread, complete on return (WRK-004);
-        return the block ids that failed. Nothing else sees it, so it needs no ``_Job``:
-        no lock, deadline or cancellation."""
-        if self._closing.is_set():
-            return job.block_ids
-        delay = max(self._settings.load_delay_s, self._faults.delay_s)
-        if delay:
-            self._closing.wait(delay)  # returns early at shutdown
-        try:
-            return self._load(pool, None, job, plan, event)
-        except (KVSpecError, RuntimeError, ValueError) as e:
-            _log.warning("rank %d: load of request %s failed: %s", self._rank,
-                         job.request_id, str(e))
+        """Run a synchronous load on the loader thread and wait for it, up to its deadline
+        (WRK-004, WRK-014); return the block ids that failed (all of them past the
+        deadline: the copy is cancelled and, while it runs, wedges the loader). A loader
+        stuck in an earlier copy fails it at once."""
+        loader = self._loader
+        assert loader is not None
+        if self._closing.is_set() or any(s.lock.locked() and s.job.is_load
+                                         for s in self._stuck):
             self._failed_job(job)
             return job.block_ids
+        j = _Job(job, plan, self._settings.io_timeout_s)
+        j.future = future = loader.submit(self._run, j, event)
+        done, _ = concurrent.futures.wait((future,), max(0.0, j.deadline - time.monotonic()))
+        if not done:
+            _log.warning("rank %d: load of request %s timed out", self._rank, job.request_id)
+            self._cancel(j)
+            self._count(load_failures=len(job))
+            return job.block_ids
+        return job.block_ids if future.cancelled() else future.result()
 
     def _failed_job(self, job: TransferJob) -> None:
         """Count a job that failed as a whole; a store's slots stay invalid."""
