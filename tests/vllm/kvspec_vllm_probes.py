@@ -158,3 +158,9 @@ def kv_cache_groups(llm: Any) -> dict[str, Any]:
         "num_blocks": config.num_blocks,
         "max_concurrency": get_max_concurrency_for_kv_cache_config(core.vllm_config, config),
     }
+
+
+def reset_prefix_cache(llm: Any) -> bool:
+    """Drop vLLM's own prefix cache (not the connector's): the next request's prefix comes
+    from the connector or is recomputed."""
+    return bool(llm.reset_prefix_cache())

@@ -117,3 +117,36 @@ def test_nixl_hands_both_groups_of_the_hybrid_model_to_a_decode_engine(
             assert all(r["tokens"] != b for r, b in zip(got, baseline))
         else:
             assert [r["tokens"] for r in got] == baseline
+
+
+def test_offload_on_the_hybrid_model_with_vllms_prefix_cache_on(
+        vllm_logs: Path, engines: list[Any]) -> None:
+    """vLLM's default: its own prefix cache on, beside the connector. After the cache is
+    dropped, the second pass loads every full block from the offload pool, both groups,
+    with the tokens of an engine without a connector; a prompt that shares 200 tokens and
+    then diverges takes its local and external hits together and its tokens are the
+    no-connector engine's too."""
+    other = [PROMPTS[0][:200] + [7] * 90]
+    with engine(SPEC, vllm_logs, "hybrid-pc-baseline") as e:
+        baseline = [r["tokens"] for r in e.generate(PROMPTS + other, max_tokens=MAX_TOKENS)]
+    e = engine({**SPEC, "factory": OFFLOAD, "prefix_caching": True,
+                "extra": {"offload_slots": 32}}, vllm_logs, "hybrid-pc-offload")
+    engines.append(e)
+    assert e.call("kvspec.vllm._probes:record_copy_stats")
+    first = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["tokens"] for r in first] == baseline[:2]
+    for _ in range(5):  # the first pass's stores hold their blocks until reported
+        e.generate([[5] * 8], max_tokens=4)
+        if e.call(f"{PROBES}:reset_prefix_cache"):
+            break
+    else:
+        raise AssertionError("vLLM kept refusing to drop its prefix cache")
+    e.call("kvspec.vllm._probes:copy_stats")  # the first pass's stores
+    second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in second] == [(len(p) - 1) // BLOCK * BLOCK
+                                                         for p in PROMPTS]
+    assert [r["tokens"] for r in second] == baseline[:2]
+    stats = e.call("kvspec.vllm._probes:copy_stats")
+    assert stats.get("blocks_loaded", 0) == sum((len(p) - 1) // BLOCK for p in PROMPTS), stats
+    third = e.generate(other, max_tokens=MAX_TOKENS)
+    assert third[0]["num_cached_tokens"] >= 192 and third[0]["tokens"] == baseline[2]
