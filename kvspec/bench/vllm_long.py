@@ -89,6 +89,7 @@ class LongArm:
     bytes_loaded: dict[int, int] = attrs.field(factory=dict)
     load_gbps: dict[int, float] = attrs.field(factory=dict)
     memcpy_gbps: dict[int, float] = attrs.field(factory=dict)
+    cold_memcpy_gbps: dict[int, float] = attrs.field(factory=dict)
 
     @property
     def over_floor_ms(self) -> dict[int, float]:
@@ -122,6 +123,10 @@ class LongResult:
             "bandwidth_vs_memcpy": {n: self.ours.load_gbps[n] / self.ours.memcpy_gbps[n]
                                     for n in self.ours.load_gbps if self.ours.memcpy_gbps.get(n)},
         }
+        cold = self.ours.cold_memcpy_gbps
+        if cold:  # information: the target stays against the (cache-warm) memcpy
+            out["bandwidth_vs_cold_memcpy"] = {n: self.ours.load_gbps[n] / cold[n]
+                                               for n in self.ours.load_gbps if cold.get(n)}
         if self.engine is not None:
             kn, on = self.net_ms(self.ours), self.net_ms(self.other)
             out["net_vs_example"] = {n: kn[n] / max(on[n], 1e-3) for n in kn}
@@ -150,7 +155,8 @@ class LongResult:
                    f"{BLOCK_BYTES >> 10} KiB a block; medians of {self.options.rounds} rounds x "
                    f"{self.options.hit_repeats} hits): time to first token (ms)"]
         header = ["prompt", f"{RECOMPUTE}", f"{self.other.name}", "over floor",
-                  f"{self.ours.name}", "over floor", "MiB loaded", "load GB/s", "memcpy GB/s"]
+                  f"{self.ours.name}", "over floor", "MiB loaded", "load GB/s", "memcpy GB/s",
+                  "cold memcpy GB/s"]
         rows = []
         for n in self.options.lengths:
             rows.append([
@@ -158,7 +164,8 @@ class LongResult:
                 f"{self.other.over_floor_ms[n]:.1f}", f"{self.ours.ttft_ms[n]:.1f}",
                 f"{self.ours.over_floor_ms[n]:.1f}",
                 f"{self.ours.bytes_loaded.get(n, 0) / (1 << 20):.0f}",
-                f"{self.ours.load_gbps.get(n, 0.0):.2f}", f"{self.ours.memcpy_gbps.get(n, 0.0):.2f}"])
+                f"{self.ours.load_gbps.get(n, 0.0):.2f}", f"{self.ours.memcpy_gbps.get(n, 0.0):.2f}",
+                f"{self.ours.cold_memcpy_gbps.get(n, 0.0):.2f}"])
         out += markdown_table(header, rows).splitlines()
         out.append("  no-work floor: " + ", ".join(
             f"{a.name} {a.floor_ms:.2f} ms" for a in (self.recompute, self.other, self.ours)))
@@ -178,7 +185,9 @@ class LongResult:
         names = {"over_floor_vs_example": f"kvspec / {self.other.name}, time over the floor",
                  "net_vs_example": f"kvspec / {self.other.name}, net connector part",
                  "ttft_vs_recompute": "kvspec / recompute, time to first token",
-                 "bandwidth_vs_memcpy": "kvspec load / memcpy, GB/s"}
+                 "bandwidth_vs_memcpy": "kvspec load / memcpy, GB/s",
+                 "bandwidth_vs_cold_memcpy": "kvspec load / cold memcpy (caches evicted "
+                                             "first; no target), GB/s"}
         for key, title in names.items():
             if key not in ratios:
                 continue
@@ -221,6 +230,7 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
     loaded: dict[str, dict[int, list[int]]] = {n: {k: [] for k in o.lengths} for n in names}
     gbps: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
     memcpy: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
+    cold: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
     counted = set()
     for name in names:
         e = fleet.engines[name]
@@ -262,6 +272,8 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
                             gbps[name][n].append(nbytes / (us * 1e-6) / 1e9)
                             memcpy[name][n].append(e.call(f"{PROBES}:memcpy_gbps",
                                                           nbytes=nbytes))
+                            cold[name][n].append(e.call(f"{PROBES}:memcpy_gbps",
+                                                        nbytes=nbytes, cold=True))
                 floor[name].append(_timed(e, _NO_WORK))
 
     def arm(name: str) -> LongArm:
@@ -270,7 +282,7 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
         return LongArm(name, med(ttft[name]), statistics.median(floor[name]), taken[name],
                        same[name],
                        {n: int(statistics.median(v)) for n, v in loaded[name].items() if v},
-                       med(gbps[name]), med(memcpy[name]))
+                       med(gbps[name]), med(memcpy[name]), med(cold[name]))
 
     recompute, other, ours, engine = (arm(n) for n in names)
     return LongResult(o, recompute, other, ours, engine)

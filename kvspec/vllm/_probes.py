@@ -170,17 +170,27 @@ def copy_stats(llm: Any, clear: bool = True) -> dict[str, int]:
     return out
 
 
-def memcpy_gbps(llm: Any, nbytes: int, repeats: int = 7) -> float:
+_EVICT: list[Any] = []
+
+
+def memcpy_gbps(llm: Any, nbytes: int, repeats: int = 7, cold: bool = False) -> float:
     """The median GB/s of one contiguous host copy of ``nbytes`` in this process (the
-    ceiling a load of that many bytes is compared with), after one untimed copy."""
+    ceiling a load of that many bytes is compared with), after one untimed copy. ``cold``:
+    before each timed copy, 512 MiB of other memory is written, so neither buffer is in
+    the CPU caches (as a load's host slots, stored a request ago, are not): a copy from
+    and to memory, not from cache to cache."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    if cold and not _EVICT:
+        _EVICT.append(torch.empty(512 << 20, dtype=torch.uint8))
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if cold:
+            _EVICT[0].fill_(i)
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
