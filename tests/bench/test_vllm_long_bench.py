@@ -55,3 +55,19 @@ def test_the_engine_only_arm_gives_the_net_part() -> None:
     assert r[4112] == pytest.approx(net[4112] / (4112 / 40 - 10.0))
     assert "net connector part" in "\n".join(with_engine.lines())
     assert "net_vs_example" not in base.ratios()
+
+
+def test_the_cold_memcpy_is_reported_and_judges_nothing() -> None:
+    """The cold ceiling (caches evicted before each copy) gets its own ratio and column;
+    the bandwidth target stays against the warm memcpy."""
+    import attrs
+
+    slow = _result(ours_ms=20.0, gbps=5.0)
+    cold = attrs.evolve(slow, ours=attrs.evolve(
+        slow.ours, cold_memcpy_gbps={n: 6.0 for n in LENGTHS}))
+    assert cold.ratios()["bandwidth_vs_cold_memcpy"][2064] == pytest.approx(5.0 / 6.0)
+    assert "bandwidth_vs_cold_memcpy" not in slow.ratios()
+    assert cold.targets_met() == slow.targets_met()
+    assert cold.targets_met()["bandwidth_vs_memcpy"] is False
+    text = "\n".join(cold.lines())
+    assert "cold memcpy GB/s" in text and "no target" in text
