@@ -478,12 +478,14 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``SupportsHMA``'s ``request_finished`` (vLLM calls it instead, with every
-        group's blocks, null positions included): the connector's
-        ``request_finished_all_groups`` (KVG-006)."""
+        group's blocks, null positions included): with one group the connector's
+        ``request_finished``, with several its ``request_finished_all_groups`` (KVG-006)."""
+        if len(block_ids) <= 1:  # one group: the connector's request_finished, as before
+            return self.request_finished(request, block_ids[0] if block_ids else [])
         t0 = time.perf_counter_ns()
         view = self._requests.view(request)
         self._requests.forget(view.request_id)
-        blocks = AllocatedBlocks(tuple(block_ids) or ((),))
+        blocks = AllocatedBlocks(tuple(block_ids))
         self._tick(t0)
         delay, params = self._sched().request_finished_all_groups(view, blocks)
         return bool(delay), plain(params)
