@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvspec.protocols import CapabilityError, EngineConfigView, GroupKind, KVCacheGroup
+from kvspec.protocols import (
+    CapabilityError,
+    EngineConfigView,
+    GroupKind,
+    KVCacheGroup,
+    KVCacheLayout,
+)
 
-__all__ = ["spine_of", "whole_prefix"]
+__all__ = ["spine_of", "storage_of", "whole_prefix"]
 
 _MOVED = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
 
@@ -48,3 +54,11 @@ def whole_prefix(groups: Sequence[KVCacheGroup], spine: int, start: int, n: int,
             return n
         n -= 1
     return 0
+
+
+def storage_of(layout: KVCacheLayout, offsets: Sequence[int]) -> list[int]:
+    """The layer storage (``layout.layer_slots`` value) each byte offset of block 0 lies
+    in, for a layer-outermost layout: which group's ids address it (KVG-008)."""
+    if layout.num_storage_layers == 1:  # the L stride of a size-1 dim means nothing
+        return [0] * len(offsets)
+    return [o // layout.layer_stride_bytes for o in offsets]

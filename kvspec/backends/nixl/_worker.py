@@ -51,6 +51,7 @@ from kvspec.protocols import (
     WorkerConnector,
 )
 
+from .._groups import storage_of
 from ._descriptors import PeerInfo
 from ._heads import head_runs, overlap
 from ._scheduler import NixlLoad, NixlMetadata, NixlSettings, _SECRET
@@ -478,8 +479,7 @@ class NixlWorker(WorkerConnector):
         if runs is None:
             layout = endpoint.layout
             offsets = [o for o, _ in endpoint.pair_runs(agent)]
-            storage = ([0] * len(offsets) if layout.num_storage_layers == 1
-                       else [o // layout.layer_stride_bytes for o in offsets])
+            storage = storage_of(layout, offsets)
             runs = self._group_runs[agent] = tuple(
                 tuple(i for i, s in enumerate(storage) if s in used) for used in self._storages)
         return runs

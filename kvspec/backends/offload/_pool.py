@@ -64,6 +64,8 @@ from kvspec.protocols import (
     LayoutMismatchError,
 )
 
+from .._groups import storage_of
+
 __all__ = ["CopyPlan", "HostPool", "OffloadCapacityError"]
 
 _WIDE: tuple[tuple[int, torch.dtype], ...] = (
@@ -271,8 +273,7 @@ class HostPool:
             raise LayoutMismatchError(
                 "the offload backend moves several KV-cache groups only with a "
                 f"layer-outermost order, got {layout.order.dims}", clause="LAY-010")
-        storage = ([0] * len(bases) if layout.num_storage_layers == 1
-                   else [b // layout.layer_stride_bytes for b in bases])
+        storage = storage_of(layout, bases)
         known = set(storage)
         for g, used in enumerate(group_storages):
             if not used or not used <= known:

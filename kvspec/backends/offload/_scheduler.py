@@ -109,7 +109,8 @@ class OffloadSettings:
             path (``store_path="layerwise"``), the rest waiting for the next forward;
             ``extra["offload_stage_blocks"]``, default 32. Sizes the device staging buffer.
         store_when: ``"computed"`` (default): a running request's full prompt blocks are
-            stored in the step after the one that computed them, while it runs (the rest
+            stored in the step after the one that computed them (with several KV-cache
+            groups, in the step that computes them, KVG-007), while it runs (the rest
             when it finishes); ``"finished"``: every block is stored when the request
             finishes. ``extra["offload_store"]``.
         sync_loads: False (default): loads are asynchronous, matched ``(n, True)`` and
