@@ -31,7 +31,7 @@ from kvspec.conformance.graphs import (
     make_capturer,
     poison_value,
 )
-from kvspec.conformance.graphs.api import _translate_capture_error
+from kvspec.conformance.graphs._capture import translate_capture_error
 from kvspec.protocols import CapabilityError, ContractViolation, InvalidArgumentError, KVSpecError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -454,11 +454,11 @@ def test_d_cuda_capture_errors_are_translated() -> None:
         except RuntimeError as inner:
             raise RuntimeError("operation failed due to a previous error during capture") from inner
     except RuntimeError as outer:
-        violation = _translate_capture_error(outer)
+        violation = translate_capture_error(outer)
     assert violation is not None and violation.clause == "GRA-004"
     assert f"{THIS_FILE}:{line_of('CUDAERR')}" in violation.observed
     assert "operation not permitted when stream is capturing" in violation.observed
-    assert _translate_capture_error(RuntimeError("shape mismatch")) is None
+    assert translate_capture_error(RuntimeError("shape mismatch")) is None
 
 
 # ---------------------------------------------------------------------------- capture state

@@ -20,16 +20,16 @@ from typing import Any, TypeVar
 import torch
 
 from ...protocols.errors import KVSpecError
-from .api import (
+from ._capture import (
     CaptureStateError,
     GraphCapturer,
-    _capture_region,
-    _CheckingDispatchMode,
-    _cuda_unavailable,
-    _ensure_not_capturing,
-    _host_sync_guard,
-    _require_callable,
-    _translate_capture_error,
+    capture_region,
+    CheckingDispatchMode,
+    cuda_unavailable,
+    ensure_not_capturing,
+    host_sync_guard,
+    require_callable,
+    translate_capture_error,
 )
 
 __all__ = ["CudaCapturer", "CudaGraph"]
@@ -56,7 +56,7 @@ class CudaGraph:
         Raises:
             CaptureStateError: the graph was reset, or a capture is under way.
         """
-        _ensure_not_capturing("replay a graph")
+        ensure_not_capturing("replay a graph")
         if self._graph is None:
             raise CaptureStateError("this graph was reset; capture it again to replay it")
         with torch.cuda.device(self._device):
@@ -93,14 +93,14 @@ class CudaCapturer(GraphCapturer):
         import torch.cuda  # noqa: F401  (lazily: only a CUDA capturer needs it)
 
         if not torch.cuda.is_available():
-            raise _cuda_unavailable()
+            raise cuda_unavailable()
         index = device.index if device.index is not None else torch.cuda.current_device()
         super().__init__(torch.device("cuda", index), warmup)
 
     def capture(self, fn: Callable[[], T]) -> tuple[CudaGraph, T]:
         """See ``capture``."""
-        _require_callable(fn)
-        _ensure_not_capturing("start a capture")
+        require_callable(fn)
+        ensure_not_capturing("start a capture")
         with torch.cuda.device(self.device):
             if self.warmup:
                 side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -126,10 +126,10 @@ class CudaCapturer(GraphCapturer):
             collecting = gc.isenabled()
             gc.disable()
             try:
-                with _capture_region(), torch.cuda.stream(capture_stream):
+                with capture_region(), torch.cuda.stream(capture_stream):
                     graph.capture_begin(pool=pool)
                     try:
-                        with _host_sync_guard(), _CheckingDispatchMode():
+                        with host_sync_guard(), CheckingDispatchMode():
                             out = fn()
                     except BaseException as err:
                         failure = err
@@ -150,7 +150,7 @@ class CudaCapturer(GraphCapturer):
                 ours = _kvspec_error_in_chain(failure)
                 if ours is not None:
                     raise ours from None
-                violation = _translate_capture_error(failure) \
+                violation = translate_capture_error(failure) \
                     if isinstance(failure, Exception) else None
                 if violation is None:
                     raise failure

@@ -3,7 +3,7 @@
 Every ATen op that ``fn`` runs under capture reaches ``_Recorder``, a
 ``TorchDispatchMode``, which sorts it:
 
-* **GRA-004 refusals** — host syncs and data-dependent shapes — raise at once (api rules).
+* **GRA-004 refusals** — host syncs and data-dependent shapes — raise at once (the rules in ``_capture``).
 * **Views and other metadata-only ops** (``view``, ``slice``, ``select``, ``permute``,
   ``as_strided``, ``_unsafe_view``, ``detach``, ``alias``, ``lift_fresh``, in-place views such as
   ``t_``/``squeeze_``/``resize_``/``set_``, and ops returning no tensor) execute for real: they
@@ -31,14 +31,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...protocols.errors import CapabilityError
-from .api import (
+from ._capture import (
     CaptureStateError,
     GraphCapturer,
-    _capture_region,
-    _check_dispatch,
-    _ensure_not_capturing,
-    _host_sync_guard,
-    _require_callable,
+    capture_region,
+    check_dispatch,
+    ensure_not_capturing,
+    host_sync_guard,
+    require_callable,
 )
 
 __all__ = ["EmulatedGraph", "EmulatorCapturer", "poison_value"]
@@ -237,7 +237,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        _check_dispatch(func, args, kwargs)
+        check_dispatch(func, args, kwargs)
         for value in (*args, *kwargs.values()):
             _map_tensors(value, lambda t: _require_strided(func, t))
         with torch._C.DisableTorchFunction():
@@ -348,7 +348,7 @@ class EmulatedGraph:
         Raises:
             CaptureStateError: the graph was reset, or a capture is under way.
         """
-        _ensure_not_capturing("replay a graph")
+        ensure_not_capturing("replay a graph")
         records = self._records
         if records is None:
             raise CaptureStateError("this graph was reset; capture it again to replay it")
@@ -373,12 +373,12 @@ class EmulatorCapturer(GraphCapturer):
 
     def capture(self, fn: Callable[[], T]) -> tuple[EmulatedGraph, T]:
         """See ``capture``."""
-        _require_callable(fn)
-        _ensure_not_capturing("start a capture")
+        require_callable(fn)
+        ensure_not_capturing("start a capture")
         for _ in range(self.warmup):
             fn()
         recorder = _Recorder()
-        with _capture_region(), _host_sync_guard(), recorder:
+        with capture_region(), host_sync_guard(), recorder:
             out = fn()
         return EmulatedGraph(recorder.records, recorder.allocations), out
 
