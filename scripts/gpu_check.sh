@@ -29,7 +29,7 @@ if [ -z "${KVSPEC_NO_WHEELS:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/kvspec-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PLUGIN="-p kvspec.conformance.plugin -p no:cacheprovider"
+PLUGIN="-p kvspec.conformance.plugin.hooks -p no:cacheprovider"
 # the suite's own entry point registers the plugin once installed; from a checkout, -p does
 $PY -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'kvspec' for e in m.entry_points(group='pytest11')) else 1)" \
     && PLUGIN="-p no:cacheprovider"

@@ -23,10 +23,14 @@ HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin is not None  # not test
 NEEDS_VLLM = {"kvspec.vllm", "kvspec.vllm.connector"}
 if os.environ.get("KVSPEC_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
     raise RuntimeError("KVSPEC_REQUIRE_VLLM=1 but vLLM cannot be imported")
+# Deprecated aliases of moved modules: every name warns and is the moved object.
+MOVED_MODULES = {
+    "kvspec.conformance.recording": "kvspec.conformance.connectors.recording",
+}
 PUBLIC_MODULES = sorted(
     m.name for m in pkgutil.walk_packages([str(ROOT)], "kvspec.")
     if not any(part.startswith("_") for part in m.name.split("."))
-    and (HAVE_VLLM or m.name not in NEEDS_VLLM)
+    and (HAVE_VLLM or m.name not in NEEDS_VLLM) and m.name not in MOVED_MODULES
 )
 
 
@@ -47,6 +51,25 @@ def test_all_names_exist_and_are_documented(modname: str) -> None:
                 fn = member.fget if isinstance(member, property) else member
                 fn = getattr(fn, "__func__", fn)
                 assert getattr(fn, "__doc__", None), f"{modname}.{name}.{attr} has no docstring"
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED_MODULES.items()))
+def test_moved_modules_keep_warning_aliases(old: str, new: str) -> None:
+    mod, moved = importlib.import_module(old), importlib.import_module(new)
+    assert mod.__doc__ and new in mod.__doc__
+    assert set(mod.__all__) <= set(moved.__all__)
+    for name in mod.__all__:
+        with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}"):
+            assert getattr(mod, name) is getattr(moved, name)
+
+
+def test_moved_plugin_fixtures_keep_warning_aliases() -> None:
+    from kvspec.conformance import plugin
+    from kvspec.conformance.plugin import hooks
+
+    for name in ("kvspec_capabilities", "kvspec_factory", "kvspec_profile", "kvspec_tmpdir"):
+        with pytest.warns(DeprecationWarning, match=f"moved to {hooks.__name__}.{name}"):
+            assert getattr(plugin, name) is getattr(hooks, name)
 
 
 def _kvspec_imports(path: Path) -> set[str]:

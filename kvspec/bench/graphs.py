@@ -31,7 +31,7 @@ import torch
 
 from kvspec.backends.offload import LayerwiseOffloadConnector
 from kvspec.conformance.harness import HarnessConfig
-from kvspec.conformance.harness._worker import WorkerRuntime
+from kvspec.conformance.harness._worker_runtime import WorkerRuntime
 from kvspec.protocols import GraphMode
 
 __all__ = ["GraphsResult", "MODES", "run_graphs_bench"]

@@ -11,7 +11,7 @@ There are three ways in, and they run the same tests:
    collects the suite modules of the installed package (in addition to ``testpaths`` when no
    path is given; paths and node ids given restrict collection as usual) and runs every
    suite test once per connector. It works under pytest-xdist (``-n``). Options are
-   described in ``kvspec.conformance.plugin``.
+   described in ``kvspec.conformance.plugin.hooks``.
 
 2. **Subclassing**, inside a project's own test suite::
 
@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._loader import capability_names, factory_spec, has_capability, load_factory
-    from ._runner import ConformanceResult, run_conformance
-    from ._suites import make_suite, suite_classes
+    from .plugin._run_conformance import ConformanceResult, run_conformance
+    from .plugin._suite_discovery import make_suite, suite_classes
     from .suite._base import ConformanceSuite
 
 __all__ = [
@@ -87,15 +87,15 @@ DEFAULT_CONNECTORS: tuple[str, ...] = (
 """The connectors ``kvspec conform`` certifies when given none: the project's own."""
 
 _LAZY = {
-    "ConformanceResult": "._runner",
-    "run_conformance": "._runner",
+    "ConformanceResult": ".plugin._run_conformance",
+    "run_conformance": ".plugin._run_conformance",
     "ConformanceSuite": ".suite._base",
     "capability_names": "._loader",
     "factory_spec": "._loader",
     "has_capability": "._loader",
     "load_factory": "._loader",
-    "make_suite": "._suites",
-    "suite_classes": "._suites",
+    "make_suite": ".plugin._suite_discovery",
+    "suite_classes": ".plugin._suite_discovery",
 }
 
 

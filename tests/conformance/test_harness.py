@@ -388,7 +388,7 @@ def test_a_naive_engine_losing_hooks_under_full_replay_fails_gra010(
 ) -> None:
     """vLLM issue 29608: an engine that runs FULL graphs with eager per-layer hooks skips them
     at every replay. The harness must fail that loudly (GRA-010), never pass silently."""
-    from kvspec.conformance.harness import _worker
+    from kvspec.conformance.harness import _worker_runtime
     from kvspec.protocols import GraphMode, GraphModeDecision, HookGraphMode, plan_forward
 
     def naive_resolve(requested, hooks, *, strict=False):  # type: ignore[no-untyped-def]
@@ -399,8 +399,8 @@ def test_a_naive_engine_losing_hooks_under_full_replay_fails_gra010(
             mode = GraphMode.PIECEWISE  # the plan still promises the eager hooks...
         return plan_forward(kind, mode, hooks)
 
-    monkeypatch.setattr(_worker, "resolve_graph_mode", naive_resolve)
-    monkeypatch.setattr(_worker, "plan_forward", naive_plan)
+    monkeypatch.setattr(_worker_runtime, "resolve_graph_mode", naive_resolve)
+    monkeypatch.setattr(_worker_runtime, "plan_forward", naive_plan)
     with pytest.raises(ContractViolation) as info:
         with Engine(_eager_hooks_connector(), HarnessConfig(graph_mode=GraphMode.FULL)) as e:
             e.run(SCENARIOS["single"])  # ...but the FULL replay runs no Python
@@ -447,7 +447,7 @@ def test_a_hook_that_crashes_in_a_worker_process_names_err010_as_in_process() ->
     """A connector's crash in a worker process got no clause (a bare "worker rank 0
     raised"), where the same crash in process is ERR-010 naming the hook: the worker
     process now judges it where the traceback is, with the same words."""
-    from kvspec.conformance._report import _find_violation
+    from kvspec.conformance._attribution import find_violation
 
     with pytest.raises(ContractViolation) as info:
         with Engine(CrashingLoadConnector(), HarnessConfig(tp_size=2)) as e:
@@ -456,7 +456,7 @@ def test_a_hook_that_crashes_in_a_worker_process_names_err010_as_in_process() ->
     with pytest.raises(RuntimeError) as crash:  # in process: the report judges the crash
         with Engine(CrashingLoadConnector(), HarnessConfig(tp_size=1)) as e:
             e.run(SCENARIOS["single"])
-    same = _find_violation(crash.value)
+    same = find_violation(crash.value)
     assert same is not None and same.clause == "ERR-010"
     assert same.observed == ("_CrashingLoadWorker.start_load_kv raised RuntimeError: "
                              "shape mismatch in my loader")
@@ -500,12 +500,12 @@ def test_each_poison_found_in_a_loaded_block_names_its_clause(
     """Issue 15: the blocks a preemption freed get their own poison, written after
     handle_preemptions returned, so a transfer that still read them is reported as WRK-012
     (it was reported as SCH-017, a read after request_finished, which it is not)."""
-    from kvspec.conformance.harness import _worker
+    from kvspec.conformance.harness import _worker_runtime
 
-    rt = _worker.WorkerRuntime(NullConnector(), HarnessConfig(), 0, str(tmp_path))
+    rt = _worker_runtime.WorkerRuntime(NullConnector(), HarnessConfig(), 0, str(tmp_path))
     rt.register()
     try:
-        value = float(getattr(_worker, poison))
+        value = float(getattr(_worker_runtime, poison))
         got = torch.full((8, 4, 4), value)  # the 8 tokens read: positions x heads x chans
         r = {"id": "r", "blocks": [3, 5], "ext": (4, 8), "tokens": list(range(9))}
         v = rt._attribute(r, [], 5, 0, got, torch.zeros(8, 4, 4))
@@ -525,9 +525,9 @@ def test_allocation_poison_tells_whose_never_written_bytes_were_loaded(
     another allocation's means the connector stored bytes it read late, from blocks the
     engine had handed out since (WRK-013), or reallocated after a preemption (WRK-012).
     One shared value made both races read as 'never written', whichever run won."""
-    from kvspec.conformance.harness import _worker
+    from kvspec.conformance.harness import _worker_runtime
 
-    rt = _worker.WorkerRuntime(NullConnector(), HarnessConfig(), 0, str(tmp_path))
+    rt = _worker_runtime.WorkerRuntime(NullConnector(), HarnessConfig(), 0, str(tmp_path))
     rt.register()
     try:
         empty = {"step": 0, "sync_loads": False, "poison_freed": [], "poison_preempted": [],
@@ -538,8 +538,8 @@ def test_allocation_poison_tells_whose_never_written_bytes_were_loaded(
         found = {"own": 6, "other": 4, "preempted": 4}[whose]
         if whose == "other":
             rt._reused.clear()
-        assert _worker.alloc_poison(4) != _worker.alloc_poison(6)
-        got = torch.full((8, 4, 4), float(_worker.alloc_poison(found)))
+        assert _worker_runtime.alloc_poison(4) != _worker_runtime.alloc_poison(6)
+        got = torch.full((8, 4, 4), float(_worker_runtime.alloc_poison(found)))
         r = {"id": "r", "blocks": [3, 5], "ext": (4, 8), "tokens": list(range(9))}
         v = rt._attribute(r, [], 5, 0, got, torch.zeros(8, 4, 4))
         assert v["clause"] == clause, v
@@ -550,11 +550,11 @@ def test_allocation_poison_tells_whose_never_written_bytes_were_loaded(
 def test_allocation_poisons_are_exact_and_outside_the_models_values() -> None:
     """Every step's value survives bfloat16 and float16 exactly, differs from the other
     poisons and the toy model's range, and repeats only after more steps than a run has."""
-    from kvspec.conformance.harness import _worker
+    from kvspec.conformance.harness import _worker_runtime
 
-    values = [_worker.alloc_poison(s) for s in range(len(_worker._ALLOC_VALUES))]
+    values = [_worker_runtime.alloc_poison(s) for s in range(len(_worker_runtime._ALLOC_VALUES))]
     assert len(set(values)) == len(values) > 500
-    assert not {_worker.FREED_POISON, _worker.PREEMPTED_POISON} & set(values)
+    assert not {_worker_runtime.FREED_POISON, _worker_runtime.PREEMPTED_POISON} & set(values)
     assert all(abs(v) > 100 for v in values)
     for dtype in (torch.bfloat16, torch.float16):
         t = torch.tensor(values, dtype=torch.float32)

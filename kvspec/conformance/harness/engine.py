@@ -53,11 +53,11 @@ from kvspec.protocols import (
 from ._blockpool import BlockPool, block_hashes
 from ._resources import Snapshot, snapshot
 from ._toymodel import ToyModel, tenant_seed
-from ._workers import InProcessWorkers, ProcessWorkers, WorkerGroup
-from ._worker import open_device
+from ._worker_groups import InProcessWorkers, ProcessWorkers, WorkerGroup
+from ._worker_runtime import open_device
 from .config import HarnessConfig
 from .workload import RequestSpec, Workload, scale_request
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["Engine", "RunResult"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

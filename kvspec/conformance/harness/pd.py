@@ -18,7 +18,7 @@ from kvspec.protocols import ConnectorFactory, RequestStatus, TransferRole
 from .config import HarnessConfig
 from .engine import Engine, RunResult
 from .workload import RequestSpec, Workload
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["run_disaggregated"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

@@ -10,7 +10,7 @@ from typing import Any
 
 from ...protocols import Capabilities, ConnectorFactory, KVPacking, StrideOrder
 from ..harness import Engine, HarnessConfig, RunResult, Workload
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["DEVICE_ENV", "TIMEOUT_ENV", "config_for", "layout_cases", "serve", "start_engine", "startup_failure"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

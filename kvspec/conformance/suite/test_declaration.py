@@ -17,7 +17,7 @@ from ...protocols.scheduler import SchedulerConnector
 from ...protocols.worker import WorkerConnector
 from ._base import ConformanceSuite
 from ._run import start_engine
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestDeclaration"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

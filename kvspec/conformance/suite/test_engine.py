@@ -24,7 +24,7 @@ from ..harness import Engine, RequestSpec, Workload, run_disaggregated, workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for, layout_cases, serve
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 _SCENARIO_CONFIG: dict[str, dict[str, Any]] = {
     "preemption": {"num_blocks": 12},

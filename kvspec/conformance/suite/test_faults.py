@@ -22,7 +22,7 @@ from ..harness import Engine, RequestSpec, RunResult, Workload, run_disaggregate
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestFaults"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

@@ -15,7 +15,7 @@ from ..harness import Engine, Workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for, serve
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestGraphModes"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

@@ -29,7 +29,7 @@ from ..harness.scenarios import SCENARIOS
 from . import _hostile
 from ._base import ConformanceSuite
 from ._run import config_for
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestHostileInput"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

@@ -24,7 +24,7 @@ from ..harness import Engine, Workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
 from ._run import config_for
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestStats"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these

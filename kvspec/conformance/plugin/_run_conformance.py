@@ -11,7 +11,7 @@ from typing import IO, Any
 
 import attrs
 
-from ..protocols.errors import InvalidArgumentError
+from ...protocols.errors import InvalidArgumentError
 
 __all__ = ["ConformanceResult", "run_conformance"]
 
@@ -99,7 +99,9 @@ def run_conformance(
     """
     import pytest
 
-    from . import _session, plugin
+    from . import hooks
+    from ._progress import ConnectorProgress
+    from ._selection import SUITE_ONLY_OPTION
 
     if isinstance(specs, str):
         specs = [specs]
@@ -119,18 +121,18 @@ def run_conformance(
                  # kvspec is imported before pytest starts, so it cannot be assert-rewritten
                  "-W", "ignore::pytest.PytestAssertRewriteWarning",
                  # No path argument: pytest takes its rootdir and ini file from the current
-                 # directory, and this plugin (loaded by name, so that xdist workers load it
-                 # too) then collects the suite in place of the project's tests.
-                 "-p", _session.PLUGIN_NAME]
+                 # directory, and the plugin then collects the suite in place of the
+                 # project's tests (an option, so that xdist workers see it too).
+                 SUITE_ONLY_OPTION]
         if xfail_path is not None:
             args.append(f"--kvspec-xfail={xfail_path}")
         args += [str(a) for a in extra_pytest_args]
         # The plugin is normally loaded from its entry point; pass the module itself only
         # when that entry point is not going to load it (kvspec run from a source tree).
-        plugins: list[object] = [] if _entry_point_loads_plugin() else [plugin]
+        plugins: list[object] = [] if _entry_point_loads_plugin() else [hooks]
         if report_path is None:
             plugins.append(_TemporaryReport(str(out)))
-        shown = _session.ConnectorProgress(specs, progress) if progress is not None else None
+        shown = ConnectorProgress(specs, progress) if progress is not None else None
         if shown is not None:
             plugins.append(shown)
         try:
@@ -156,4 +158,7 @@ def _entry_point_loads_plugin() -> bool:
 
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return False
-    return any(ep.value == "kvspec.conformance.plugin" for ep in entry_points(group="pytest11"))
+    # kvspec.conformance.plugin: the value of kvspec releases before the hooks had a module of
+    # their own (the package still loads them, see its pytest_plugins)
+    values = {"kvspec.conformance.plugin.hooks", "kvspec.conformance.plugin"}
+    return any(ep.value in values for ep in entry_points(group="pytest11"))

@@ -1,5 +1,10 @@
 """Finding the suite's topic modules and classes, binding them to a connector, and test keys.
 
+The suite itself is the package ``kvspec.conformance.suite`` (its ``test_*.py`` topic
+modules); this module finds it where kvspec is installed, lists its topic classes, binds
+them to one connector (``make_suite``) and names each suite test the same way on every
+installation (``xfail_key``, ``connector_label``).
+
 Light at import: it imports neither the Protocols nor the suite modules until asked, because
 the pytest plugin imports it in every pytest session.
 """
@@ -13,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..protocols.connector import ConnectorFactory
-    from .suite._base import ConformanceSuite
+    from ...protocols.connector import ConnectorFactory
+    from ..suite._base import ConformanceSuite
 
 __all__ = [
+    "BASE_MODULE",
     "SUITE_PACKAGE",
     "connector_label",
     "make_suite",
@@ -36,7 +42,7 @@ def suite_dir() -> Path:
     spec = importlib.util.find_spec(SUITE_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:  # pragma: no cover - a broken installation
-        return Path(__file__).resolve().parent / "suite"
+        return Path(__file__).resolve().parent.parent / "suite"
     return Path(locations[0]).resolve()
 
 
@@ -55,7 +61,7 @@ def suite_classes() -> tuple[type[ConformanceSuite], ...]:
     Raises:
         RuntimeError: Two topic modules define a class of the same name.
     """
-    from .suite._base import ConformanceSuite
+    from ..suite._base import ConformanceSuite
 
     found: dict[str, type[ConformanceSuite]] = {}
     for path in suite_files():
@@ -98,7 +104,7 @@ def make_suite(
     Raises:
         InvalidArgumentError: The connector cannot be loaded.
     """
-    from ._loader import load_factory
+    from .._loader import load_factory
 
     load_factory(connector)
     if module is None:
@@ -130,7 +136,7 @@ def connector_label(connector: object) -> str:
     """The spec string that names a connector in ids, keys and reports."""
     if isinstance(connector, str):
         return connector
-    from ._loader import factory_spec
+    from .._loader import factory_spec
 
     try:
         return factory_spec(connector)  # type: ignore[arg-type]

@@ -35,9 +35,9 @@ from kvspec.protocols import (
 )
 
 from ._resources import Snapshot, snapshot
-from ._worker import WorkerRuntime, decode_meta, encode_meta, open_device
+from ._worker_runtime import WorkerRuntime, decode_meta, encode_meta, open_device
 from .config import HarnessConfig
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["InProcessWorkers", "ProcessWorkers", "WorkerDiedError", "WorkerGroup"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
@@ -114,7 +114,8 @@ def _send(conn: Connection, obj: Any) -> None:
 
 
 def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker process
-    """Entry point of a worker process: ``python -m kvspec.conformance.harness._worker_main IN OUT``.
+    """What a worker process runs (``python -m kvspec.conformance.harness._worker_process
+    IN OUT``, started by ``ProcessWorkers``).
 
     Reads an init message (factory spec, config, rank, tmpdir, sys.path), then serves step
     and shutdown messages, all JSON, on the two inherited pipe fds.
@@ -165,13 +166,13 @@ def _verdict(exc: BaseException) -> dict[str, str] | None:
     connector hook that crashed: ERR-010), ``{"harness": ...}`` for kvspec's own failure,
     or None. The parent raises the same verdict an in-process worker would get."""
     try:
-        from .._report import _find_violation, _harness_error
+        from .._attribution import find_violation, harness_error
     except Exception:  # judged by the parent as a bare worker error
         return None
-    own = _harness_error(exc)
+    own = harness_error(exc)
     if own is not None:
         return {"harness": f"{type(own).__name__}: {own}"}
-    found = _find_violation(exc)
+    found = find_violation(exc)
     if found is None:
         return None
     return {"clause": str(found.clause), "observed": found.observed,
@@ -244,7 +245,7 @@ class ProcessWorkers:
                 to_child_r, to_child_w = os.pipe()
                 from_child_r, from_child_w = os.pipe()
                 p = subprocess.Popen(
-                    [sys.executable, "-m", "kvspec.conformance.harness._worker_main",
+                    [sys.executable, "-m", "kvspec.conformance.harness._worker_process",
                      str(to_child_r), str(from_child_w)],
                     pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
                 )

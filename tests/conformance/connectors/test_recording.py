@@ -13,7 +13,7 @@ from kvspec.conformance.connectors.layerwise import LayerwiseStorageConnector
 from kvspec.conformance.connectors.shared_storage import SharedStorageConnector
 from kvspec.conformance.harness import Engine, HarnessConfig
 from kvspec.conformance.harness.scenarios import SCENARIOS
-from kvspec.conformance.recording import (
+from kvspec.conformance.connectors.recording import (
     Call,
     RecordingConnector,
     check_call_order,

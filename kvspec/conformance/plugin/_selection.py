@@ -1,4 +1,4 @@
-"""Which suite tests a session collects, read from pytest's positional arguments.
+"""Which connectors and suite tests a session runs, read from its options and arguments.
 
 With no argument (pytest collects ``testpaths`` or the current directory) the whole suite
 is collected in addition. With arguments, the suite is collected only as far as they name
@@ -8,6 +8,10 @@ rootdir, so pytest prints its node ids relative to the suite directory
 (``test_engine.py::TestEngine::test_scenario[...]``); such an argument names no file where
 pytest looks, so it is taken out of the arguments, the suite directory is collected instead
 (which keeps the node ids as printed, for ``--lf`` too) and only the named tests are kept.
+
+``connector_specs`` reads the connectors a session runs the suite against, and
+``collect_suite_only`` is what ``kvspec conform`` adds: the suite in place of the project's
+own tests.
 
 Light at import, like the plugin that imports it.
 """
@@ -20,9 +24,43 @@ from pathlib import Path
 
 import pytest
 
-from ._suites import suite_dir
+from ._suite_discovery import suite_dir
 
-__all__ = ["SuitePlan", "plan_suite"]
+__all__ = [
+    "SUITE_ONLY_OPTION", "SuitePlan", "collect_suite_only", "connector_specs", "holds_suite",
+    "plan_suite", "suite_node",
+]
+
+SUITE_ONLY_OPTION = "--kvspec-suite-only"
+"""The hidden option ``run_conformance`` passes (``kvspec conform``): collect the suite in
+place of the project's own tests (see ``collect_suite_only``). An option, not a plugin
+object, so that pytest-xdist workers, which read the command line again, see it too."""
+
+
+def connector_specs(config: pytest.Config) -> list[str]:
+    """The connector specs of a session: the command-line options, then the ini lines."""
+    given = list(config.getoption("kvspec_conformance", None) or [])
+    given += [str(s) for s in config.getini("kvspec_conformance") or []]
+    return list(dict.fromkeys(s.strip() for s in given if s.strip()))
+
+
+def collect_suite_only(config: pytest.Config) -> None:
+    """Collect the conformance suite, and only it, unless pytest was given paths.
+
+    pytest determines the rootdir and the ini file from its path arguments, or from the
+    invocation directory when there are none. ``kvspec conform`` therefore passes no path,
+    and this puts the suite directory in place of what pytest would collect then
+    (``testpaths`` or the current directory). Paths and node ids given after ``--`` are
+    left to ``plan_suite``, with the whole suite added when they name none of it. (Passing
+    the suite directory as an argument made pytest look for the rootdir from the suite
+    directory: inside kvspec, which read kvspec's own ``pyproject.toml``.)
+    """
+    root = suite_dir()
+    if config.args_source is not pytest.Config.ArgsSource.ARGS:
+        config.args[:] = [str(root)]
+    elif not any(suite_node(a, config, root) is not None or holds_suite(a, config, root)
+                 for a in config.args):
+        config.args.append(str(root))
 
 
 @dataclass(frozen=True)
@@ -117,7 +155,7 @@ def _resolve(arg: str, config: pytest.Config) -> Path:
     return path if path.is_absolute() else Path(config.invocation_params.dir) / path
 
 
-def _suite_node(arg: str, config: pytest.Config, root: Path) -> str | None:
+def suite_node(arg: str, config: pytest.Config, root: Path) -> str | None:
     """The suite node id (relative to ``root``) that ``arg`` names, or None.
 
     ``arg`` names one when its path part is a suite module: as a path that exists, or, where
@@ -144,7 +182,8 @@ def _suite_node(arg: str, config: pytest.Config, root: Path) -> str | None:
     return None
 
 
-def _holds_suite(arg: str, config: pytest.Config, root: Path) -> bool:
+def holds_suite(arg: str, config: pytest.Config, root: Path) -> bool:
+    """Whether the path of ``arg`` is the suite directory ``root`` or a directory above it."""
     path = _resolve(arg, config).resolve()
     return path == root or path in root.parents
 
@@ -189,18 +228,18 @@ def plan_suite(config: pytest.Config) -> SuitePlan:
 
 def _plan(config: pytest.Config, root: Path) -> SuitePlan:
     if config.args_source is not pytest.Config.ArgsSource.ARGS:
-        if not any(_holds_suite(a, config, root) for a in config.args):
+        if not any(holds_suite(a, config, root) for a in config.args):
             config.args.append(str(root))
         return SuitePlan(root, collect=True)
     names: list[str] = []
     others: list[str] = []
     for arg in config.args:
-        node = _suite_node(arg, config, root)
+        node = suite_node(arg, config, root)
         if node is None:
             others.append(arg)
         else:
             names.append(node)
-    if any(_holds_suite(a, config, root) for a in others):
+    if any(holds_suite(a, config, root) for a in others):
         config.args[:] = others
         return SuitePlan(root, collect=True)
     if not names:

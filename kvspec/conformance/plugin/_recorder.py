@@ -1,7 +1,9 @@
 """Recording a conformance run: header, per-clause summary, JSON report, expected failures.
 
-One ``Recorder`` per pytest config, registered by the plugin. It stays inert (and
-imports nothing heavy) in sessions that hold no suite test and no ``kvspec_clause`` marker.
+One ``Recorder`` per pytest config, made by the plugin's ``pytest_configure``; the hooks of
+``kvspec.conformance.plugin.hooks`` hand it the session's items and reports. It stays inert
+(and imports nothing heavy) in sessions that hold no suite test and no ``kvspec_clause``
+marker. Which clause a failure broke is judged by ``kvspec.conformance._attribution``.
 
 Under pytest-xdist the workers collect and run the tests and the controller writes the
 outputs: each test report of a tracked test carries what the controller needs (the
@@ -11,7 +13,6 @@ which xdist serializes with the report.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 import warnings
@@ -22,17 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ._suites import BASE_MODULE, connector_label, suite_dir, suite_files, xfail_key
-from ._xfail import KVSpecXfailWarning, read_xfail_file, write_xfail_file
+from .._attribution import find_violation, format_violation, harness_error
+from ._expected_failures import KVSpecXfailWarning, read_xfail_file, write_xfail_file
+from ._suite_discovery import BASE_MODULE, connector_label, suite_dir, suite_files, xfail_key
 
 if TYPE_CHECKING:
-    from ..protocols.capabilities import Capabilities
-    from ..protocols.errors import ContractViolation
+    from ...protocols.capabilities import Capabilities
     from ._selection import SuitePlan
 
-__all__ = [
-    "OUTCOMES", "REPORT_ATTR", "ConnectorInfo", "Recorder", "format_violation", "kvspec_version",
-]
+__all__ = ["OUTCOMES", "REPORT_ATTR", "ConnectorInfo", "Recorder", "kvspec_version"]
 
 OUTCOMES = ("pass", "fail", "skip", "xfail", "error")
 """The outcomes counted per clause, in column order. ``error``: kvspec's own harness or
@@ -48,7 +47,7 @@ def kvspec_version() -> str:
 
 
 def _spec_version() -> str:
-    from ..spec import SPEC_VERSION
+    from ...spec import SPEC_VERSION
 
     return SPEC_VERSION
 
@@ -131,182 +130,6 @@ class _Tracked:
         self.kvspec_error = error if isinstance(error, str) else None
 
 
-def _find_violation(exc: BaseException) -> ContractViolation | None:
-    """What a failed suite test broke, as a ContractViolation naming one clause, or None.
-
-    In order: a ContractViolation anywhere in ``exc`` (exception groups, such as
-    hypothesis's flaky failures, and explicit causes included); else a KVSpecError that
-    names a clause (that clause); else a crash, an exception that is not a kvspec error
-    escaping a connector's hook (ERR-010, naming the hook), a bare ``assert`` in the
-    connector's code included. Plain asserts and errors of the suite's own code are not
-    attributed.
-    """
-    errors = sys.modules.get("kvspec.protocols.errors")
-    if errors is None:
-        return None
-    violation_cls: type[ContractViolation] = errors.ContractViolation
-    chain = _chain(exc)
-    for e in chain:
-        if isinstance(e, violation_cls):
-            return e
-    for e in chain:
-        if isinstance(e, errors.KVSpecError) and e.clause:
-            return _as_violation(violation_cls, e.clause.upper(),
-                                 f"{type(e).__name__}: {e.message}")
-    if not isinstance(exc, Exception) or isinstance(exc, errors.KVSpecError):
-        return None
-    hook = _crashed_hook(exc)
-    if hook is None:
-        return None
-    text = str(exc).strip().splitlines()
-    if hook.rsplit(".", 1)[-1] in _scheduler_hooks() and _is_mutation(exc):
-        return violation_cls(
-            "SCH-012", observed=f"{hook} tried to change an input the engine owns "
-            f"({type(exc).__name__}: {text[0][:300] if text else ''}); the suite hands views "
-            "that refuse writes, where a real engine's objects would take the write "
-            "silently and change what it computes",
-            expected="scheduler hooks read the request, its kv_transfer_params, the block "
-            "lists and the scheduler output, and keep what they need in their own state",
-        )
-    return violation_cls(
-        "ERR-010", observed=f"{hook} raised {type(exc).__name__}"
-        + (f": {text[0][:300]}" if text else ""),
-        expected="the hook returns, or raises a KVSpecError saying what was wrong",
-    )
-
-
-@functools.cache
-def _scheduler_hooks() -> frozenset[str]:
-    """Scheduler-role hooks, read off the Protocol (a write to one of their inputs breaks
-    SCH-012); imported on first use, as this module imports nothing heavy."""
-    from kvspec.protocols import SchedulerConnector
-
-    return frozenset(n for n in dir(SchedulerConnector)
-                     if not n.startswith("_") and callable(getattr(SchedulerConnector, n)))
-
-
-_READ_ONLY = ("'mappingproxy' object", "'tuple' object", "'frozenset' object")
-_WRITES = ("does not support item assignment", "does not support item deletion",
-           *(f"has no attribute '{m}'" for m in (
-               "pop", "popitem", "update", "setdefault", "clear", "append", "extend",
-               "insert", "remove", "add", "discard", "sort", "reverse", "__setitem__")))
-
-
-def _is_mutation(exc: BaseException) -> bool:
-    """True when ``exc`` is what a read-only view raises on a write: a frozen attrs view's
-    ``FrozenInstanceError``, or the error of writing into a mappingproxy, tuple or
-    frozenset (the shapes the views hand out)."""
-    if type(exc).__name__ == "FrozenInstanceError":
-        return True
-    if not isinstance(exc, (TypeError, AttributeError)):
-        return False
-    text = str(exc)
-    return text.startswith(_READ_ONLY) and any(w in text for w in _WRITES)
-
-
-_KVSPEC_ROOT = str(Path(__file__).parent.parent)
-_SAMPLE_CONNECTORS = str(Path(__file__).parent / "connectors")
-
-
-def _harness_error(exc: BaseException) -> BaseException | None:
-    """The ``HarnessError`` in ``exc``'s chain that kvspec's own code raised (kvspec's
-    failure), or None. One raised from a connector's code is the connector's like any
-    other exception: a connector cannot pass its crash off as kvspec's."""
-    errors = sys.modules.get("kvspec.protocols.errors")
-    if errors is None:
-        return None
-    for e in _chain(exc):
-        if isinstance(e, errors.HarnessError):
-            tb = e.__traceback__
-            while tb is not None and tb.tb_next is not None:
-                tb = tb.tb_next
-            where = tb.tb_frame.f_code.co_filename if tb is not None else ""
-            if where.startswith(_KVSPEC_ROOT) and not where.startswith(_SAMPLE_CONNECTORS):
-                found: BaseException = e
-                return found
-    return None
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc``, the members of exception groups and explicit causes, depth first."""
-    out: list[BaseException] = []
-    stack: list[BaseException] = [exc]
-    while stack and len(out) < 100:
-        e = stack.pop()
-        if any(e is seen for seen in out):
-            continue
-        out.append(e)
-        if e.__cause__ is not None:
-            stack.append(e.__cause__)
-        inner = getattr(e, "exceptions", None)
-        if isinstance(inner, tuple):
-            stack.extend(x for x in reversed(inner) if isinstance(x, BaseException))
-    return out
-
-
-def _as_violation(cls: type[ContractViolation], clause: str, observed: str
-                  ) -> ContractViolation:
-    from ..spec import get_clause
-
-    try:
-        expected = get_clause(clause).rule
-    except (KeyError, TypeError):
-        expected = "what the clause requires"
-    return cls(clause, observed=observed, expected=expected)
-
-
-_DRIVERS = tuple(str(Path(__file__).parent / d) for d in ("harness", "suite", "graphs"))
-_KVSPEC_CORE = tuple(str(Path(__file__).parent.parent / d) for d in ("protocols", "vllm"))
-"""kvspec code between the driver and the connector: protocol defaults, and the wrapper
-that runs a vLLM connector (a crash names the vLLM connector's own function)."""
-
-
-def _crashed_hook(exc: BaseException) -> str | None:
-    """The connector function the suite's driver called (directly, or through a
-    ``kvspec.protocols`` default method) when ``exc`` escaped, named as
-    ``Class.method``; None when it did not escape from connector code."""
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    drivers = [i for i, f in enumerate(frames) if f.f_code.co_filename.startswith(_DRIVERS)]
-    if not drivers:
-        return None
-    for frame in frames[drivers[-1] + 1:]:  # through kvspec's protocol defaults and wrapper
-        code = frame.f_code
-        if not code.co_filename.startswith(_KVSPEC_CORE):
-            return getattr(code, "co_qualname", code.co_name)
-    return None
-
-
-def format_violation(exc: ContractViolation, connector_name: str) -> str:
-    """``clause X (<title>) broken by <name>: observed: ...; expected: ...`` plus reproduction.
-
-    The reproduction is the exception's optional ``reproduce`` text, then its notes (for
-    example hypothesis's falsifying example), each on its own lines.
-    """
-    from ..spec import get_clause
-
-    clause = (exc.clause or "?").upper()
-    try:
-        title = get_clause(clause).title
-    except (KeyError, TypeError):
-        title = "not a clause of this spec"
-    text = (
-        f"clause {clause} ({title}) broken by {connector_name}: "
-        f"observed: {exc.observed}; expected: {exc.expected}"
-    )
-    extra: list[str] = []
-    reproduce = getattr(exc, "reproduce", None)
-    if isinstance(reproduce, str) and reproduce.strip():
-        extra.append(reproduce.rstrip())
-    for note in getattr(exc, "__notes__", None) or ():
-        if isinstance(note, str) and note.strip():
-            extra.append(note.rstrip())
-    return "\n".join([text, *extra])
-
-
 def _crash_message(report: pytest.TestReport) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is not None and getattr(crash, "message", None):
@@ -325,7 +148,7 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 
 class Recorder:
-    """The plugin's per-session state and the hooks that use it.
+    """The plugin's per-session state: the tracked tests, their outcomes and the outputs.
 
     Args:
         config: The pytest config.
@@ -347,7 +170,7 @@ class Recorder:
 
     def connector(self, connector: object) -> ConnectorInfo:
         """Load (once) and describe a connector given as a spec, class or factory."""
-        from ._loader import load_factory
+        from .._loader import load_factory
 
         label = connector_label(connector)
         info = self.connectors.get(label)
@@ -359,7 +182,7 @@ class Recorder:
 
     def load_connectors(self) -> None:
         """Load every connector given on the command line; a bad one is a usage error."""
-        from ..protocols.errors import InvalidArgumentError
+        from ...protocols.errors import InvalidArgumentError
 
         for spec in self.specs:
             try:
@@ -369,22 +192,23 @@ class Recorder:
 
     # -- header ----------------------------------------------------------------------------------
 
-    def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        """Name kvspec, the spec and every connector under test."""
+    def header_lines(self) -> list[str]:
+        """Name kvspec, the spec and every connector under test (pytest's header)."""
         if not self.specs:
             return []
-        profile = config.getoption("kvspec_profile", "default")
+        profile = self.config.getoption("kvspec_profile", "default")
         lines = [f"kvspec {kvspec_version()}, spec {_spec_version()}, profile {profile}"]
         lines += [self.connectors[s].header() for s in self.specs if s in self.connectors]
         return lines
 
     # -- collection ------------------------------------------------------------------------------
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(
-        self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-    ) -> None:
-        """Validate markers, bind connectors, apply capability skips and expected failures."""
+    def track(self, session: pytest.Session, items: list[pytest.Item]) -> None:
+        """Validate markers, bind connectors, apply capability skips and expected failures.
+
+        Raises:
+            pytest.UsageError: A bad marker, connector or expected-failures file.
+        """
         self._collect_suite_if_missing(session, items)
         if self.plan is not None:
             self.plan.select(items)
@@ -435,7 +259,7 @@ class Recorder:
             items.extend(session.genitems(module))
 
     def _clauses(self, item: pytest.Item, marks: Iterable[pytest.Mark], bad: list[str]) -> list[str]:
-        from ..spec import get_clause
+        from ...spec import get_clause
 
         out: list[str] = []
         for mark in marks:
@@ -452,8 +276,8 @@ class Recorder:
         return out
 
     def _bind(self, item: pytest.Item, cls: type, tracked: _Tracked, bad: list[str]) -> None:
-        from ..protocols.errors import InvalidArgumentError
-        from ._loader import capability_names, has_capability
+        from ...protocols.errors import InvalidArgumentError
+        from .._loader import capability_names, has_capability
 
         callspec = getattr(item, "callspec", None)
         params: dict[str, object] = dict(getattr(callspec, "params", {}) or {})
@@ -526,18 +350,15 @@ class Recorder:
 
     # -- running ---------------------------------------------------------------------------------
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(
-        self, item: pytest.Item, call: pytest.CallInfo[None]
-    ) -> Any:
+    def annotate(self, item: pytest.Item, call: pytest.CallInfo[None],
+                 report: pytest.TestReport) -> None:
         """Rewrite the failure of a ContractViolation to name the clause and the connector.
 
         Every report of a tracked test carries the test's kvspec data as ``REPORT_ATTR``.
         """
-        report: pytest.TestReport = yield
         tracked = self.tracked.get(item.nodeid)
         if tracked is None:
-            return report
+            return
         engine = sys.modules.get("kvspec.conformance.harness.engine")
         if engine is not None and call.when in ("setup", "call"):
             tally = engine.take_load_tally()  # setup: drop what came before the test
@@ -550,11 +371,10 @@ class Recorder:
         if info is not None:
             data["connector_info"] = info.plain()
         setattr(report, REPORT_ATTR, data)
-        return report
 
     def _attribute(self, item: pytest.Item, tracked: _Tracked, report: pytest.TestReport,
                    error: BaseException) -> None:
-        ours = _harness_error(error)
+        ours = harness_error(error)
         if ours is not None:  # kvspec's own failure: no clause of the connector's is blamed
             text = (f"kvspec error (kvspec's own harness or engine adapter failed; this is "
                     f"not the connector's fault): {ours}")
@@ -563,7 +383,7 @@ class Recorder:
             if crash is not None:
                 crash.message = text
             return
-        exc = _find_violation(error)
+        exc = find_violation(error)
         if exc is None:
             return
         clause = (exc.clause or "?").upper()
@@ -596,8 +416,8 @@ class Recorder:
             self.connectors[str(info["spec"])] = ConnectorInfo.from_plain(info)
         return t
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Fold each phase's report into the test's outcome."""
+    def fold(self, report: pytest.TestReport) -> None:
+        """Fold one phase's report into the test's outcome."""
         t = self._tracked_for(report)
         if t is None:
             return
@@ -634,10 +454,10 @@ class Recorder:
 
         A test that failed with a ContractViolation fails only the clause it names; its other
         clauses were not fully checked and are not counted (a KVSpecError naming a clause
-        and a hook's crash, ERR-010, are turned into one, see ``_find_violation``). A
+        and a hook's crash, ERR-010, are turned into one, see ``find_violation``). A
         failure that names no clause fails every clause the test is tagged with.
         """
-        from ..spec import get_clause
+        from ...spec import get_clause
 
         table: dict[str, dict[str, Any]] = {}
         for t in self.done():
@@ -679,7 +499,7 @@ class Recorder:
             "clauses": self.clause_table(),
         }
 
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+    def write_outputs(self, exitstatus: int) -> None:
         """Write the JSON report and the expected-failures file, if asked (not on a worker)."""
         if self.worker:
             return
@@ -712,8 +532,8 @@ class Recorder:
             ))
             self.notes.append(f"kvspec: wrote {len(set(keys))} expected failures to {write_path}")
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """Print the connectors and the per-clause table."""
+    def write_summary(self, terminalreporter: Any) -> None:
+        """Print the connectors and the per-clause table (pytest's terminal summary)."""
         done = self.done()
         if self.worker or (not done and not self.notes):
             return

@@ -48,7 +48,7 @@ from ..graphs import CapturedGraph, make_capturer
 from ._gate import ThreadGate
 from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
-from .._tracebacks import hide_unless_harness_bug
+from .._attribution import hide_unless_harness_bug
 
 __all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WINDOW_POISON", "WorkerRuntime",
            "open_device"]

@@ -26,12 +26,12 @@ import pytest
 
 # Imported before any in-process pytester run: pytester drops the modules a run imports
 # first, and torch must not be imported twice.
-import kvspec.conformance._report
-import kvspec.conformance._runner
+import kvspec.conformance.plugin._recorder
+import kvspec.conformance.plugin._run_conformance
 import kvspec.conformance.suite.test_declaration
 import kvspec.protocols  # noqa: F401
 from kvspec import conformance
-from kvspec.conformance import _suites
+from kvspec.conformance.plugin import _suite_discovery
 
 pytest_plugins = ["pytester"]
 
@@ -132,7 +132,7 @@ def kv(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[p
     """A pytester directory with the connectors ``conn:Good``, ``conn:Eager``, ``conn:Bad``."""
     pytester.makepyfile(conn=CONN, kvrestrict=RESTRICT % str(DECLARATION.parent))
     pytester.syspathinsert()
-    monkeypatch.setattr(_suites, "suite_files", lambda: [DECLARATION])
+    monkeypatch.setattr(_suite_discovery, "suite_files", lambda: [DECLARATION])
     monkeypatch.setenv("COLUMNS", "200")
     yield pytester
 
@@ -154,7 +154,7 @@ def summary_row(result: pytest.RunResult, clause: str) -> list[int]:
 
 def test_plugin_import_is_light() -> None:
     code = (
-        "import sys, kvspec.conformance.plugin, kvspec.conformance\n"
+        "import sys, kvspec.conformance.plugin.hooks, kvspec.conformance\n"
         "heavy = [m for m in ('torch', 'kvspec.protocols', 'hypothesis') if m in sys.modules]\n"
         "print(heavy)\n"
         "assert not heavy, heavy\n"
@@ -586,7 +586,7 @@ def test_progress_names_a_long_test_while_it_runs(kv: pytest.Pytester) -> None:
     """The connector author's day, item 8: one suite test can run for a minute and more
     without output. The progress plugin of ``kvspec conform`` names such a test while it
     runs, from a thread, past pytest's capture of the test's output."""
-    from kvspec.conformance._session import format_seconds
+    from kvspec.conformance.plugin._progress import format_seconds
 
     kv.makepyfile(slowconn="""
         import time
@@ -608,7 +608,7 @@ def test_progress_names_a_long_test_while_it_runs(kv: pytest.Pytester) -> None:
 
         import pytest
 
-        from kvspec.conformance._session import ConnectorProgress
+        from kvspec.conformance.plugin._progress import ConnectorProgress
 
         sys.path.insert(0, ".")
         progress = ConnectorProgress(["conn:Good", "slowconn:Slow"], sys.stderr,

@@ -1,4 +1,11 @@
-"""The pytest plugin of the kvspec conformance suite (entry point ``pytest11: kvspec``).
+"""Every pytest hook and fixture of the kvspec plugin (entry point ``pytest11: kvspec``).
+
+The hooks here only connect pytest to plain objects: the options and collection to
+``_selection`` and ``_suite_discovery``, a session's tests and reports to its
+``_recorder.Recorder``, and the progress lines of ``kvspec conform`` to a
+``_progress.ConnectorProgress``. Module functions hold the hooks that reach the config from
+their arguments; ``SessionHooks``, one per config, holds those that do not (a test's
+reports) and the others of the recorder and the progress lines.
 
 Options:
 
@@ -7,7 +14,7 @@ Options:
     given no path, the modules of the installed ``kvspec/conformance/suite/`` are collected
     in addition to ``testpaths`` (or the current directory); paths and node ids given on the
     command line restrict collection as usual, and the node ids pytest prints for suite tests
-    (``test_engine.py::TestEngine::...``) are accepted back (``._selection``). Every suite
+    (``test_engine.py::TestEngine::...``) are accepted back (``_selection``). Every suite
     test runs once per connector, with the spec as its id. Without it the suite is never
     collected.
 ``--kvspec-profile=default|full``
@@ -32,9 +39,9 @@ why) when an engine on the connector does not start. Fixtures: ``kvspec_factory`
 Importing this module imports neither torch, nor ``kvspec.protocols``, nor hypothesis:
 they are imported only when a session holds suite tests or asks for the full profile.
 """
-
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import sys
 from pathlib import Path
@@ -42,15 +49,18 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ._xfail import KVSpecXfailWarning
+from ._expected_failures import KVSpecXfailWarning
+from ._selection import SUITE_ONLY_OPTION, connector_specs
 
 if TYPE_CHECKING:
-    from ..protocols.capabilities import Capabilities
-    from ..protocols.connector import ConnectorFactory
-    from ._report import Recorder
+    from ...protocols.capabilities import Capabilities
+    from ...protocols.connector import ConnectorFactory
+    from ._progress import ConnectorProgress
+    from ._recorder import Recorder
 
 __all__ = [
     "KVSpecXfailWarning",
+    "SessionHooks",
     "connector_specs",
     "kvspec_capabilities",
     "kvspec_factory",
@@ -58,10 +68,13 @@ __all__ = [
     "kvspec_tmpdir",
 ]
 
-_RECORDER = pytest.StashKey["Recorder"]()
+_SESSION = pytest.StashKey["SessionHooks"]()
 _PREVIOUS_PROFILE = pytest.StashKey[str]()
 FULL_PROFILE = "kvspec-full"
 FULL_FACTOR = 10
+
+
+# -- options and configuration -------------------------------------------------------------------
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,33 +103,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvspec-write-xfail", metavar="PATH", default=None, dest="kvspec_write_xfail",
         help="write the keys of the failing suite tests to PATH at the end",
     )
+    group.addoption(  # kvspec conform's (run_conformance), not for people: not in --help
+        SUITE_ONLY_OPTION, action="store_true", default=False, dest="kvspec_suite_only",
+        help=argparse.SUPPRESS,
+    )
     parser.addini(
         "kvspec_conformance", type="linelist", default=[],
         help="connector factories to run the kvspec conformance suite against, one a line",
     )
 
 
-def connector_specs(config: pytest.Config) -> list[str]:
-    """The connector specs of a session: the command-line options, then the ini lines."""
-    given = list(config.getoption("kvspec_conformance", None) or [])
-    given += [str(s) for s in config.getini("kvspec_conformance") or []]
-    return list(dict.fromkeys(s.strip() for s in given if s.strip()))
+@pytest.hookimpl(tryfirst=True, specname="pytest_configure")  # before plan_suite, below
+def pytest_configure_suite_only(config: pytest.Config) -> None:
+    """Under ``kvspec conform``: collect the suite in place of the project's own tests."""
+    if config.getoption("kvspec_suite_only", False):
+        from ._selection import collect_suite_only
 
-
-def _check_writable(path: str | None, flag: str) -> None:
-    """Refuse, before any test runs, an output path that cannot be written: the run's
-    work would be lost at its end (pytest.UsageError naming the option)."""
-    if path:
-        from ._paths import unwritable_reason
-
-        reason = unwritable_reason(path)
-        if reason is not None:
-            raise pytest.UsageError(f"{flag}={path}: {reason}")
+        collect_suite_only(config)
 
 
 @pytest.hookimpl(trylast=True)  # after hypothesis's own plugin has loaded its profile
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers and the run recorder; with connectors, add the suite."""
+    """Register the markers and the session's hooks; with connectors, plan the suite."""
     config.addinivalue_line(
         "markers", "kvspec_clause(*clause_ids): the kvspec spec clauses this test checks"
     )
@@ -129,15 +137,21 @@ def pytest_configure(config: pytest.Config) -> None:
         "kvspec_startup: runs even when an engine on the connector does not start (the test "
         "that reports why; every other suite test is then skipped)",
     )
-    from ._report import Recorder
+    from ._progress import ConnectorProgress
+    from ._recorder import Recorder
 
     for option, flag in (("kvspec_report", "--kvspec-report"),
                          ("kvspec_write_xfail", "--kvspec-write-xfail")):
         _check_writable(config.getoption(option, None), flag)
     specs = connector_specs(config)
     recorder = Recorder(config, specs)
-    config.stash[_RECORDER] = recorder
-    config.pluginmanager.register(recorder, "kvspec-conformance-recorder")
+    progress = next((p for p in config.pluginmanager.get_plugins()
+                     if isinstance(p, ConnectorProgress)), None)
+    if progress is not None:
+        progress.attach(config)
+    session = SessionHooks(recorder, progress)
+    config.stash[_SESSION] = session
+    config.pluginmanager.register(session, "kvspec-conformance-recorder")
     if config.getoption("kvspec_profile", "default") == "full":
         _load_full_profile(config)
     if specs:
@@ -148,15 +162,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Restore the hypothesis profile and drop the recorder."""
+    """Restore the hypothesis profile, stop the progress lines and drop the session's hooks."""
     previous = config.stash.get(_PREVIOUS_PROFILE, None)
     if previous is not None:
         from hypothesis import settings
 
         settings.load_profile(previous)
-    recorder = config.stash.get(_RECORDER, None)
-    if recorder is not None and config.pluginmanager.is_registered(recorder):
-        config.pluginmanager.unregister(recorder)
+    session = config.stash.get(_SESSION, None)
+    if session is None:
+        return
+    if session.progress is not None:
+        session.progress.close()
+    if config.pluginmanager.is_registered(session):
+        config.pluginmanager.unregister(session)
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    """Refuse, before any test runs, an output path that cannot be written: the run's
+    work would be lost at its end (pytest.UsageError naming the option)."""
+    if path:
+        from .._paths import unwritable_reason
+
+        reason = unwritable_reason(path)
+        if reason is not None:
+            raise pytest.UsageError(f"{flag}={path}: {reason}")
 
 
 def _load_full_profile(config: pytest.Config) -> None:
@@ -174,10 +203,13 @@ def _load_full_profile(config: pytest.Config) -> None:
     settings.load_profile(FULL_PROFILE)
 
 
+# -- collection ----------------------------------------------------------------------------------
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """Skip the suite modules that none of the suite node ids given on the command line names."""
-    recorder = config.stash.get(_RECORDER, None)
-    plan = recorder.plan if recorder is not None else None
+    session = config.stash.get(_SESSION, None)
+    plan = session.recorder.plan if session is not None else None
     if plan is not None and plan.ignores(Path(collection_path)):
         return True
     return None
@@ -187,8 +219,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     """Collect, of a suite module, only the tests the suite node ids given name (if any)."""
     report: pytest.CollectReport = yield
-    recorder = collector.config.stash.get(_RECORDER, None)
-    plan = recorder.plan if recorder is not None else None
+    session = collector.config.stash.get(_SESSION, None)
+    plan = session.recorder.plan if session is not None else None
     if plan is not None and plan.names and report.result:
         report.result = [node for node in report.result if plan.keeps(node)]
     return report
@@ -199,7 +231,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
     if not connector_specs(parent.config) or not file_path.name.startswith("test_") \
             or file_path.suffix != ".py":
         return None
-    from ._suites import suite_dir
+    from ._suite_discovery import suite_dir
 
     if file_path.parent.resolve() != suite_dir():
         return None
@@ -225,6 +257,81 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("kvspec_factory", specs, ids=specs, indirect=True, scope="class")
 
 
+# -- a session's recording and progress ------------------------------------------------------------
+
+
+class SessionHooks:
+    """The hooks of one pytest config's session, over its recorder and progress lines.
+
+    Registered by ``pytest_configure`` (one per config: pytester and nested sessions get
+    their own), because some of these hooks, such as a test's reports, carry no config
+    from which to find the session's state.
+
+    Args:
+        recorder: The session's outcomes, summary and JSON report.
+        progress: The progress lines ``kvspec conform`` prints, or None.
+    """
+
+    def __init__(self, recorder: Recorder, progress: ConnectorProgress | None) -> None:
+        self.recorder = recorder
+        self.progress = progress
+
+    def pytest_report_header(self) -> list[str]:
+        """Name kvspec, the spec and every connector under test."""
+        return self.recorder.header_lines()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, session: pytest.Session,
+                                      items: list[pytest.Item]) -> None:
+        """Validate markers, bind connectors, apply capability skips and expected failures."""
+        self.recorder.track(session, items)
+
+    @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+    def pytest_collection_modifyitems_order(self, items: list[pytest.Item]) -> None:
+        """Under ``kvspec conform``: run the connectors one after another (after selection
+        and deselection)."""
+        if self.progress is not None:
+            self.progress.order(items)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Count each connector's tests, for the progress lines."""
+        if self.progress is not None:
+            self.progress.note_collected(session)
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal reporter writes the test's path
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        """Announce a connector when its first test starts."""
+        if self.progress is not None:
+            self.progress.note_start(nodeid)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        """Name the clause and the connector in a violation's failure; attach the test's
+        kvspec data to its reports."""
+        report: pytest.TestReport = yield
+        self.recorder.annotate(item, call, report)
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Fold each phase's report into the test's outcome and the progress lines."""
+        self.recorder.fold(report)
+        if self.progress is not None:
+            self.progress.note_report(report)
+
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        """Write the JSON report and the expected-failures file; end the progress lines."""
+        self.recorder.write_outputs(int(exitstatus))
+        if self.progress is not None:
+            self.progress.finish()
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Print the connectors and the per-clause table."""
+        self.recorder.write_summary(terminalreporter)
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="class")
 def kvspec_factory(request: pytest.FixtureRequest) -> ConnectorFactory:
     """The connector factory under test.
@@ -232,7 +339,7 @@ def kvspec_factory(request: pytest.FixtureRequest) -> ConnectorFactory:
     Its spec is the ``--kvspec-conformance`` parameter, or else the ``connector`` attribute
     of the test class (set by ``kvspec.conformance.make_suite``).
     """
-    from ._loader import load_factory
+    from .._loader import load_factory
 
     spec = getattr(request, "param", None)
     if spec is None and request.cls is not None:

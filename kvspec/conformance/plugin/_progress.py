@@ -1,18 +1,11 @@
-"""What ``kvspec conform`` adds to a pytest session: the user's rootdir, and progress lines.
+"""The progress lines of ``kvspec conform``: each connector's start and end, and long tests.
 
-``run_conformance`` loads this module as a plugin (``-p``, so that
-pytest-xdist workers load it too) and passes it a ``ConnectorProgress``; a plain
-``pytest --kvspec-conformance`` session loads neither (its output is pytest's).
-
-* The module's ``pytest_configure`` lets pytest find its rootdir and ini file from the
-  current directory, as it does for ``pytest`` typed there, and then collects the suite
-  instead of the project's own tests. (Passing the suite directory as an argument made
-  pytest look for them from the suite directory: inside kvspec, which read kvspec's own
-  ``pyproject.toml``.)
-* ``ConnectorProgress`` runs the suite connector by connector and prints a line to a
-  stream as each connector starts (with the elapsed time and an estimate of the time left)
-  and as it ends (its tests, outcomes and time), and a ``still running`` line while one
-  test runs long.
+``run_conformance`` passes a ``ConnectorProgress`` to ``pytest.main`` (as a plugin object,
+which the kvspec plugin's hooks find and feed; a plain ``pytest --kvspec-conformance``
+session has none, and its output is pytest's). It runs the suite connector by connector and
+prints a line to a stream as each connector starts (with the elapsed time and an estimate of
+the time left) and as it ends (its tests, outcomes and time), and a ``still running`` line
+while one test runs long.
 
 Imported only when a run starts (it imports pytest).
 """
@@ -29,32 +22,9 @@ from typing import IO, Any
 
 import pytest
 
-from ._selection import _holds_suite, _suite_node
-from ._suites import connector_label, suite_dir
+from ._suite_discovery import connector_label
 
-__all__ = ["ConnectorProgress", "format_seconds", "pytest_configure"]
-
-PLUGIN_NAME = "kvspec.conformance._session"
-"""The module name ``run_conformance`` passes to ``-p``."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before the kvspec plugin plans the suite (trylast)
-def pytest_configure(config: pytest.Config) -> None:
-    """Collect the conformance suite, and only it, unless pytest was given paths.
-
-    pytest determines the rootdir and the ini file from its path arguments, or from the
-    invocation directory when there are none. ``kvspec conform`` therefore passes no path,
-    and this hook puts the suite directory in place of what pytest would collect then
-    (``testpaths`` or the current directory). Paths and node ids given after ``--`` are
-    left to the kvspec plugin (``._selection``), with the whole suite added when they
-    name none of it.
-    """
-    root = suite_dir()
-    if config.args_source is not pytest.Config.ArgsSource.ARGS:
-        config.args[:] = [str(root)]
-    elif not any(_suite_node(a, config, root) is not None or _holds_suite(a, config, root)
-                 for a in config.args):
-        config.args.append(str(root))
+__all__ = ["ConnectorProgress", "format_seconds"]
 
 
 def format_seconds(seconds: float) -> str:
@@ -112,7 +82,8 @@ class ConnectorProgress:
     A test that runs longer than ``heartbeat_s`` gets a ``still running`` line every
     ``heartbeat_s`` seconds, written from a thread while the test runs.
 
-    Create it just before ``pytest.main`` and ``close`` it after: where the stream is a
+    Create it just before ``pytest.main``, pass it in ``plugins`` (the kvspec plugin's
+    hooks find it there and call its methods) and ``close`` it after: where the stream is a
     file descriptor (stderr), the lines go to a duplicate of it made here, which pytest's
     capture of the test's own output does not redirect.
 
@@ -148,10 +119,6 @@ class ConnectorProgress:
             if self._owns_out and not self._out.closed:
                 self._out.close()
 
-    def pytest_unconfigure(self) -> None:
-        """Close (see ``close``)."""
-        self.close()
-
     # -- collection ------------------------------------------------------------------------------
 
     def _spec_of_item(self, item: pytest.Item) -> str | None:
@@ -172,12 +139,11 @@ class ConnectorProgress:
         found = [s for s in self.connectors if params == s + "]" or params.startswith(s + "-")]
         return max(found, key=len) if found else None
 
-    def pytest_configure(self, config: pytest.Config) -> None:
-        """Keep the config, for the terminal reporter."""
+    def attach(self, config: pytest.Config) -> None:
+        """Keep the session's config, for its terminal reporter."""
         self.config = config
 
-    @pytest.hookimpl(trylast=True)  # after selection and deselection
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    def order(self, items: list[pytest.Item]) -> None:
         """Order the tests connector by connector, keeping pytest's order within each."""
         order = {s: c.index for s, c in self.connectors.items()}
         last = len(order)
@@ -188,7 +154,7 @@ class ConnectorProgress:
 
         items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
+    def note_collected(self, session: pytest.Session) -> None:
         """Count each connector's tests."""
         if not session.items:
             return
@@ -203,8 +169,7 @@ class ConnectorProgress:
 
     # -- running ---------------------------------------------------------------------------------
 
-    @pytest.hookimpl(tryfirst=True)  # before the terminal reporter writes the test's path
-    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+    def note_start(self, nodeid: str) -> None:
         """Announce a connector when its first test starts (after the end lines due)."""
         spec = self._spec_of_nodeid(nodeid)
         if spec is not None:
@@ -243,7 +208,7 @@ class ConnectorProgress:
                    if c.ended is None and (c.expected is None or c.expected > 0))
         return sum(times) / len(times) * left
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+    def note_report(self, report: pytest.TestReport) -> None:
         """Tally each test's outcome; end a connector when its last test is done."""
         spec = self._spec_of_nodeid(report.nodeid)
         if spec is None:
@@ -291,7 +256,7 @@ class ConnectorProgress:
             self._write(f"still running {nodeid} ({format_seconds(now - since)}; {where}"
                         f"elapsed {format_seconds(now - self.start)})", newline_first=True)
 
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+    def finish(self) -> None:
         """Print the end lines due, and end the connectors still open: stopped early
         (``-x``), or counted nowhere in this process (the xdist controller)."""
         self._stop.set()
