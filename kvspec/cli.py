@@ -111,7 +111,7 @@ def _conform(args: argparse.Namespace) -> int:
 
         os.environ[EXTRA_ENV] = json.dumps(extra)
     if args.device != "cpu":  # like the extra: every engine reads it from the environment
-        from .conformance.suite._run import DEVICE_ENV
+        from .conformance.suite._harness_runs import DEVICE_ENV
 
         os.environ[DEVICE_ENV] = args.device
     as_json = args.json or args.report == "-"

@@ -19,7 +19,7 @@ from kvspec.cli import main
 from kvspec.conformance.connectors.layerwise import LayerwiseStorageConnector
 from kvspec.conformance.harness import Engine, HarnessConfig
 from kvspec.conformance.harness.scenarios import SCENARIOS
-from kvspec.conformance.suite._run import DEVICE_ENV, config_for
+from kvspec.conformance.suite._harness_runs import DEVICE_ENV, config_for
 from kvspec.protocols import (
     Capabilities,
     CapabilityError,

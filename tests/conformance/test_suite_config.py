@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvspec.conformance.harness import RequestSpec
 from kvspec.conformance.harness.workload import scale_request
-from kvspec.conformance.suite._run import config_for, layout_cases
+from kvspec.conformance.suite._harness_runs import config_for, layout_cases
 from kvspec.protocols import Capabilities, KVPacking, StrideOrder
 
 

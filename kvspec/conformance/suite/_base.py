@@ -53,7 +53,7 @@ class ConformanceSuite:
         self.factory = kvspec_factory
         self.capabilities = kvspec_capabilities
         if request.node.get_closest_marker("kvspec_startup") is None:
-            from ._run import startup_failure
+            from ._harness_runs import startup_failure
 
             why = startup_failure(kvspec_factory)
             if why is not None:

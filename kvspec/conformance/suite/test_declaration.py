@@ -16,7 +16,7 @@ from ...protocols.executor import ExecutorConnector
 from ...protocols.scheduler import SchedulerConnector
 from ...protocols.worker import WorkerConnector
 from ._base import ConformanceSuite
-from ._run import start_engine
+from ._harness_runs import start_engine
 from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestDeclaration"]

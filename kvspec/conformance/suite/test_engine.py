@@ -23,7 +23,7 @@ from ...protocols import ContractViolation, GroupKind, RequestStatus
 from ..harness import Engine, RequestSpec, Workload, run_disaggregated, workloads
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
-from ._run import config_for, layout_cases, serve
+from ._harness_runs import config_for, layout_cases, serve
 from .._attribution import hide_unless_harness_bug
 
 _SCENARIO_CONFIG: dict[str, dict[str, Any]] = {

@@ -21,7 +21,7 @@ from ...protocols import FAULTS_KEY, FaultPlan
 from ..harness import Engine, RequestSpec, RunResult, Workload, run_disaggregated
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
-from ._run import config_for
+from ._harness_runs import config_for
 from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestFaults"]

@@ -14,7 +14,7 @@ from ...protocols import CapabilityError, GraphMode, HookGraphMode
 from ..harness import Engine, Workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
-from ._run import config_for, serve
+from ._harness_runs import config_for, serve
 from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestGraphModes"]

@@ -28,7 +28,7 @@ from ..harness import Engine, RequestSpec, Workload, run_disaggregated
 from ..harness.scenarios import SCENARIOS
 from . import _hostile
 from ._base import ConformanceSuite
-from ._run import config_for
+from ._harness_runs import config_for
 from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestHostileInput"]

@@ -23,7 +23,7 @@ from ...protocols import ConnectorFactory
 from ..harness import Engine, Workload
 from ..harness.scenarios import SCENARIOS
 from ._base import ConformanceSuite
-from ._run import config_for
+from ._harness_runs import config_for
 from .._attribution import hide_unless_harness_bug
 
 __all__ = ["TestStats"]

@@ -1,4 +1,5 @@
-"""Helpers shared by the suite modules that drive the harness engine."""
+"""Running the harness engine for the suite modules: its configuration for a connector, a
+workload served on a fresh engine, and why an engine does not start."""
 
 from __future__ import annotations
 
