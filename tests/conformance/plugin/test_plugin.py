@@ -163,6 +163,21 @@ def test_plugin_import_is_light() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_every_hook_lives_in_the_hooks_module() -> None:
+    """One home for the pytest integration: no kvspec module but ``plugin/hooks.py``
+    defines a pytest hook (a ``pytest_*`` function or method)."""
+    import ast
+
+    found = []
+    for path in sorted(KVSPEC_ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name.startswith("pytest_"):
+                found.append(path.relative_to(KVSPEC_ROOT).as_posix())
+    assert found and set(found) == {"conformance/plugin/hooks.py"}
+
+
 def test_session_without_option_imports_nothing_heavy(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_light="""
         import sys
