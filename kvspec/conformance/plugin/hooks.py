@@ -39,6 +39,7 @@ why) when an engine on the connector does not start. Fixtures: ``kvspec_factory`
 Importing this module imports neither torch, nor ``kvspec.protocols``, nor hypothesis:
 they are imported only when a session holds suite tests or asks for the full profile.
 """
+
 from __future__ import annotations
 
 import argparse
