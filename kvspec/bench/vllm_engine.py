@@ -2,8 +2,8 @@
 
 vLLM run in-process rewrites ``os.environ`` and torch's threading of its host, so every
 engine the tests, ``kvspec demo vllm`` and ``kvspec bench vllm`` start runs in its own
-process (``kvspec.vllm._serve``), under the interpreter of an environment where vLLM is
-installed (``vllm_python``). Every wait is bounded: a command that does not answer in
+process (``kvspec.bench._vllm_engine_host``), under the interpreter of an environment
+where vLLM is installed (``vllm_python``). Every wait is bounded: a command that does not answer in
 time raises ``EngineError`` and the process is killed on close.
 """
 
@@ -53,11 +53,11 @@ def vllm_python() -> str | None:
 
 
 class EngineProcess:
-    """One vLLM engine (``kvspec.vllm._serve``) in a child process.
+    """One vLLM engine (``kvspec.bench._vllm_engine_host``) in a child process.
 
     Args:
         spec: The engine spec (``factory``, ``kv_role``, ``extra``, ``block_size``, ...;
-            see ``kvspec.vllm._serve``).
+            see ``kvspec.bench._vllm_engine_host``).
         python: The interpreter to run it with (default ``vllm_python``).
         env: Extra environment variables for the child.
         log: Where the child's own output goes (a file), default discarded.
@@ -80,8 +80,8 @@ class EngineProcess:
         self._log = log
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._proc = subprocess.Popen(
-            [exe, "-m", "kvspec.vllm._serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=child_env, bufsize=1,
+            [exe, "-m", "kvspec.bench._vllm_engine_host"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env, bufsize=1,
         )
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name="kvspec-vllm-engine-reader")

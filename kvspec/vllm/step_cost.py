@@ -1,25 +1,22 @@
-"""``kvspec bench vllm-adapter``: what the vLLM adapter adds to one engine step.
+"""What the vLLM adapter adds to one engine step (``kvspec bench vllm-adapter`` prints it).
 
 Builds real vLLM objects for a step that touches ``blocks`` KV blocks (one request whose
 prompt fills them, plus ``running`` decoding requests), runs the adapter's translations on
 them the way ``KVSpecConnector`` does in one step, and times each part: medians of
 ``repeats`` runs. The connector's own hooks are not timed, only what the adapter adds:
 vLLM objects to kvspec views, the step metadata's wire wrapping and unwrapping, the
-forward-context view, and the outputs both ways. Run as ``python -m kvspec.vllm.bench``
-under an environment with vLLM (the CLI does that for you).
+forward-context view, and the outputs both ways. Needs vLLM (the CLI re-runs itself under
+the vLLM environment for it).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["measure", "main"]
+__all__ = ["measure"]
 
 
 def _median_us(fn: Callable[[], object], repeats: int) -> float:
@@ -35,7 +32,8 @@ def _median_us(fn: Callable[[], object], repeats: int) -> float:
 def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
             repeats: int = 200) -> dict[str, Any]:
     """Time the adapter's per-step translations for a ``blocks``-block step; returns the
-    microseconds of each part and their sum."""
+    microseconds of each part and their sum, and the ``vllm`` version measured."""
+    import vllm
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -131,38 +129,5 @@ def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
                 "request view, first sight (copies the prompt and hashes)"],
             "vllm_own_us": _median_us(
                 lambda: (NewRequestData.from_request(big, kv_blocks.get_block_ids()),
-                         kv_blocks.get_block_ids()), repeats)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: print the measurement (``--json`` for JSON)."""
-    p = argparse.ArgumentParser(prog="python -m kvspec.vllm.bench")
-    p.add_argument("--blocks", type=int, default=256)
-    p.add_argument("--running", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=200)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    import vllm
-
-    r = measure(args.blocks, running=args.running, repeats=args.repeats)
-    if args.json:
-        json.dump({**r, "vllm": vllm.__version__}, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"kvspec bench vllm-adapter: vLLM {vllm.__version__}; one step touching "
-          f"{r['blocks']} blocks of {r['block_size']} tokens (one {r['blocks']}-block prompt) "
-          f"and {r['running']} decoding requests; medians of {r['repeats']} runs")
-    width = max(map(len, r["parts_us"]))
-    for name, us in r["parts_us"].items():
-        print(f"  {name:<{width}}  {us:8.1f} us")
-    print(f"  {'adapter work per step (request already seen)':<{width}}  "
-          f"{r['per_step_us']:8.1f} us")
-    print(f"  {'adapter work per step (request new this step)':<{width}}  "
-          f"{r['per_step_us_with_new_request']:8.1f} us")
-    print(f"  (for scale, vLLM's own NewRequestData and get_block_ids for that request: "
-          f"{r['vllm_own_us']:.1f} us)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                         kv_blocks.get_block_ids()), repeats),
+            "vllm": vllm.__version__}
