@@ -1,3 +1,7 @@
-from kvspec.cli import main
+"""``python -m kvspec``: the ``kvspec`` command line."""
+
 import sys
+
+from kvspec.cli import main
+
 sys.exit(main())

@@ -2,8 +2,8 @@
 
 On ``reference/cli.md``, the first ```` ```text ```` usage block of each ``## `kvspec ...` ``
 section is replaced (or, where there is none, put under the heading), at build time, by
-that command's usage as ``kvspec.cli``'s parser
-prints it (92 columns), and ``<!-- cli:commands -->`` by the list of subcommands: the page
+that command's usage as ``kvspec.cli.build_parser``'s parser prints it (92 columns), and
+``<!-- cli:commands -->`` by the list of subcommands: the page
 cannot drift from the parser. The option tables are checked against the parser by
 ``tests/docs/test_cli_reference.py``.
 """
@@ -21,7 +21,7 @@ _USAGE = re.compile(r"```text\nusage:.*?```", re.S)
 
 def usages() -> dict[str, str]:
     """Per command (``"kvspec bench offload"``), its usage text at 92 columns."""
-    from kvspec.cli import _parser
+    from kvspec.cli import build_parser
 
     os.environ["COLUMNS"] = "92"  # argparse wraps to the terminal width
     out: dict[str, str] = {}
@@ -33,7 +33,7 @@ def usages() -> dict[str, str]:
                 for sub, subparser in action.choices.items():
                     walk(f"{name} {sub}", subparser)
 
-    walk("kvspec", _parser())
+    walk("kvspec", build_parser())
     return out
 
 

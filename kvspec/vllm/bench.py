@@ -1,168 +1,20 @@
-"""``kvspec bench vllm-adapter``: what the vLLM adapter adds to one engine step.
-
-Builds real vLLM objects for a step that touches ``blocks`` KV blocks (one request whose
-prompt fills them, plus ``running`` decoding requests), runs the adapter's translations on
-them the way ``KVSpecConnector`` does in one step, and times each part: medians of
-``repeats`` runs. The connector's own hooks are not timed, only what the adapter adds:
-vLLM objects to kvspec views, the step metadata's wire wrapping and unwrapping, the
-forward-context view, and the outputs both ways. Run as ``python -m kvspec.vllm.bench``
-under an environment with vLLM (the CLI does that for you).
-"""
+"""Deprecated (removed in the next release): the adapter's per-step measurement moved to
+``kvspec.vllm.step_cost``, its report to ``kvspec bench vllm-adapter``; ``measure`` warns
+and returns the function from there."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-import time
-from collections.abc import Callable
+import warnings
 from typing import Any
 
-__all__ = ["measure", "main"]
+__all__ = ["measure"]
 
 
-def _median_us(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import step_cost
 
-
-def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
-            repeats: int = 200) -> dict[str, Any]:
-    """Time the adapter's per-step translations for a ``blocks``-block step; returns the
-    microseconds of each part and their sum."""
-    from vllm import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
-
-    from kvspec.protocols import ConnectorStats, ForwardContextView, ForwardKind, HandshakeMetadata
-
-    from ._translate import RequestCache, output_from_vllm
-    from ._wire import StatsWire, StepWire, WorkerMetaWire, metadata_type
-
-    tokens = blocks * block_size
-    big = Request("big", [(i * 7) % 30000 + 1 for i in range(tokens)],
-                  SamplingParams(max_tokens=1), None)
-    big.block_hashes = [i.to_bytes(8, "little") * 4 for i in range(1, blocks + 1)]
-    decoding = []
-    for r in range(running):
-        req = Request(f"run{r}", list(range(1, 2 * block_size + 2)),
-                      SamplingParams(max_tokens=64), None)
-        req.block_hashes = [bytes([r % 250 + 1]) * 32, bytes([r % 250 + 2]) * 32]
-        req.num_computed_tokens = 2 * block_size + 1
-        decoding.append(req)
-    kv_blocks = KVCacheBlocks((tuple(KVCacheBlock(b) for b in range(1, blocks + 1)),))
-    so = SchedulerOutput.make_empty()
-    so.scheduled_new_reqs = [NewRequestData.from_request(big, kv_blocks.get_block_ids())]
-    so.scheduled_cached_reqs = CachedRequestData(
-        req_ids=[r.request_id for r in decoding], resumed_req_ids=set(),
-        new_token_ids=[[5]] * running, all_token_ids={},
-        new_block_ids=[None] * running, num_computed_tokens=[2 * block_size + 1] * running,
-        num_output_tokens=[1] * running)
-    so.num_scheduled_tokens = {"big": tokens, **{r.request_id: 1 for r in decoding}}
-    so.total_num_scheduled_tokens = tokens + running
-    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(32))
-    out = KVConnectorOutput(finished_sending={"run1"}, finished_recving={"big"},
-                            kv_connector_stats=StatsWire.of(ConnectorStats({"loads": 1})),
-                            kv_connector_worker_meta=WorkerMetaWire(None, ()))
-
-    cache = RequestCache()
-    cache.view(big)
-    for r in decoding:
-        cache.view(r)
-
-    def fresh_view() -> object:
-        return RequestCache().view(big)
-
-    def hooks_views() -> object:
-        # one step's scheduler hooks that take a request: the big one is matched, allocated
-        # and (next step) running; each decoding request is seen by build only.
-        cache.view(big)
-        return cache.view(big)
-
-    def alloc() -> object:  # update_state_after_alloc: checked and remembered
-        return cache.blocks("big", kv_blocks.get_block_ids(), 1)
-
-    remembered = cache.blocks("big", kv_blocks.get_block_ids(), 1)
-
-    def sched_out() -> object:  # build_connector_meta, after that allocation
-        cache._blocks["big"] = remembered  # what alloc() left, which each build consumes
-        return cache.scheduler_output(so, 1, 1)
-
-    payload = bytes(24 * blocks)  # a connector's encoded metadata: ~3 int64 per block
-    path = f"{HandshakeMetadata.__module__}:{HandshakeMetadata.__qualname__}"  # has decode()
-
-    def wrap() -> object:
-        return StepWire(payload, path, 1, tokens + running, frozenset())
-
-    def unwrap() -> object:
-        wire = StepWire(payload, path, 1, tokens + running, frozenset())
-        metadata_type(wire.meta_type)
-        return ForwardContextView(ForwardKind.REAL, wire.step_id, wire.num_tokens, layers)
-
-    def outputs() -> object:
-        stats = out.kv_connector_stats
-        return output_from_vllm(out, stats.kvspec if isinstance(stats, StatsWire) else None,
-                                None, ())
-
-    parts = {
-        "request view, first sight (copies the prompt and hashes)": _median_us(fresh_view,
-                                                                              repeats),
-        "request views, cached (2 hooks)": _median_us(hooks_views, repeats),
-        "allocated blocks": _median_us(alloc, repeats),
-        "scheduler output view": _median_us(sched_out, repeats),
-        "step metadata wrap (scheduler)": _median_us(wrap, repeats),
-        "step metadata unwrap + forward view (worker)": _median_us(unwrap, repeats),
-        "connector output, vLLM to kvspec": _median_us(outputs, repeats),
-    }
-    steady = sum(v for k, v in parts.items() if "first sight" not in k)
-    return {"blocks": blocks, "block_size": block_size, "running": running,
-            "repeats": repeats, "parts_us": parts,
-            "per_step_us": steady,
-            "per_step_us_with_new_request": steady + parts[
-                "request view, first sight (copies the prompt and hashes)"],
-            "vllm_own_us": _median_us(
-                lambda: (NewRequestData.from_request(big, kv_blocks.get_block_ids()),
-                         kv_blocks.get_block_ids()), repeats)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: print the measurement (``--json`` for JSON)."""
-    p = argparse.ArgumentParser(prog="python -m kvspec.vllm.bench")
-    p.add_argument("--blocks", type=int, default=256)
-    p.add_argument("--running", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=200)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    import vllm
-
-    r = measure(args.blocks, running=args.running, repeats=args.repeats)
-    if args.json:
-        json.dump({**r, "vllm": vllm.__version__}, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"kvspec bench vllm-adapter: vLLM {vllm.__version__}; one step touching "
-          f"{r['blocks']} blocks of {r['block_size']} tokens (one {r['blocks']}-block prompt) "
-          f"and {r['running']} decoding requests; medians of {r['repeats']} runs")
-    width = max(map(len, r["parts_us"]))
-    for name, us in r["parts_us"].items():
-        print(f"  {name:<{width}}  {us:8.1f} us")
-    print(f"  {'adapter work per step (request already seen)':<{width}}  "
-          f"{r['per_step_us']:8.1f} us")
-    print(f"  {'adapter work per step (request new this step)':<{width}}  "
-          f"{r['per_step_us_with_new_request']:8.1f} us")
-    print(f"  (for scale, vLLM's own NewRequestData and get_block_ids for that request: "
-          f"{r['vllm_own_us']:.1f} us)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    warnings.warn(f"kvspec.vllm.bench.{name} is deprecated: use kvspec.vllm.step_cost.{name}",
+                  DeprecationWarning, stacklevel=2)
+    return step_cost.measure

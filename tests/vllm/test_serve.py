@@ -15,8 +15,8 @@ from typing import Any
 
 from conftest import BLOCK, MAX_TOKENS, PROMPTS
 
-from kvspec.vllm._serve import TINY_LLAMA
-from kvspec.vllm.engine import vllm_python
+from kvspec.bench._vllm_engine_host import TINY_LLAMA
+from kvspec.bench.vllm_engine import vllm_python
 
 OFFLOAD = "kvspec.backends.offload:OffloadConnector"
 

@@ -1,7 +1,8 @@
-"""One vLLM engine in this process, driven by JSON lines on stdin (see ``kvspec.vllm.engine``).
+"""One vLLM engine in this process, driven by JSON lines on stdin (see
+``kvspec.bench.vllm_engine``); vLLM itself is reached through ``kvspec.vllm.offline``.
 
-Run as ``python -m kvspec.vllm._serve``; the first line is the engine spec, each later line a
-command; each answer is one stdout line starting with ``KVSPEC-RESULT`` followed by JSON
+Run as ``python -m kvspec.bench._vllm_engine_host`` under the vLLM environment's python;
+the first line is the engine spec, each later line a command; each answer is one stdout line starting with ``KVSPEC-RESULT`` followed by JSON
 (vLLM's own logs go to the same streams and are ignored by the client). The engine is a tiny
 Llama with dummy weights written to a temporary directory, vLLM's prefix cache off by
 default, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or vLLM's engine-core
@@ -27,7 +28,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import traceback
 from typing import Any
 
@@ -65,10 +65,10 @@ def _engine(spec: dict[str, Any]) -> Any:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    from vllm import LLM
+    from kvspec.vllm.offline import offline_llm
 
-    kwargs: dict[str, Any] = dict(
-        model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+    engine_args: dict[str, Any] = dict(
+        load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
         dtype="float32", max_model_len=spec.get("max_model_len", 512),
         max_num_seqs=spec.get("max_num_seqs", 4),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 512),
@@ -77,55 +77,20 @@ def _engine(spec: dict[str, Any]) -> Any:
         enable_prefix_caching=spec.get("prefix_caching", False),
     )
     if "disable_hma" in spec:  # vLLM's hybrid KV-cache allocator off (True) or forced on
-        kwargs["disable_hybrid_kv_cache_manager"] = bool(spec["disable_hma"])
-    factory = spec.get("factory")
-    if factory:
-        from kvspec.vllm import transfer_config
-
-        kwargs["kv_transfer_config"] = transfer_config(
-            factory, spec.get("kv_role", "kv_both"), engine_id=spec.get("engine_id"),
-            **spec.get("extra", {}))
-    elif spec.get("vllm_connector"):
-        from vllm.config import KVTransferConfig
-
-        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["vllm_connector"])
-    return LLM(**kwargs)
+        engine_args["disable_hybrid_kv_cache_manager"] = bool(spec["disable_hma"])
+    return offline_llm(model_dir, factory=spec.get("factory"),
+                       kv_role=spec.get("kv_role", "kv_both"), engine_id=spec.get("engine_id"),
+                       extra=spec.get("extra", {}), vllm_connector=spec.get("vllm_connector"),
+                       **engine_args)
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from kvspec.vllm.offline import generate
 
-    prompts = cmd["prompts"]
-    params = cmd.get("kv_transfer_params") or [None] * len(prompts)
-    sampling = []
-    for p in params:
-        extra = {"kv_transfer_params": p} if p is not None else None
-        sampling.append(SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0,
-                                       detokenize=False, ignore_eos=cmd.get("ignore_eos", True),
-                                       extra_args=extra))
-    if cmd.get("batch"):  # all at once: requests share steps, may preempt each other
-        t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
-                            use_tqdm=False)
-        timed = [(o, time.perf_counter() - t0) for o in outs]
-    else:  # one at a time: per-request latency
-        timed = []
-        for prompt, sp in zip(prompts, sampling):
-            t0 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
-            timed.append((out, time.perf_counter() - t0))
-    results = []
-    for out, elapsed in timed:
-        metrics = getattr(out, "metrics", None)
-        results.append({
-            "tokens": list(out.outputs[0].token_ids),
-            "num_cached_tokens": out.num_cached_tokens,
-            "kv_transfer_params": out.kv_transfer_params,
-            "seconds": elapsed,
-            "ttft": getattr(metrics, "first_token_latency", None),
-        })
-    return {"results": results}
+    return {"results": generate(llm, cmd["prompts"], max_tokens=cmd.get("max_tokens", 8),
+                                kv_transfer_params=cmd.get("kv_transfer_params"),
+                                batch=bool(cmd.get("batch")),
+                                ignore_eos=cmd.get("ignore_eos", True))}
 
 
 def _overhead() -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Measurement probes run inside an engine process (``EngineProcess.call``) by
-``kvspec bench vllm``: they read what vLLM does not report, without changing it."""
+``kvspec bench vllm``: they read what vLLM does not report, without changing it. vLLM's
+objects are reached through the engine (``kvspec.vllm.offline``), never imported here."""
 
 from __future__ import annotations
 
@@ -61,15 +62,9 @@ def matched_tokens(llm: Any, clear: bool = True) -> dict[str, int]:
 
 def _connectors(llm: Any) -> list[Any]:
     """The engine's scheduler-side connector and, in this process, its worker-side one."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
+    from kvspec.vllm.offline import engine_connectors
 
-    found = [_scheduler(llm).connector]
-    if has_kv_transfer_group():
-        found.append(get_kv_transfer_group())
-    return [c for c in found if c is not None]
+    return engine_connectors(llm)
 
 
 def record_hook_time(llm: Any) -> bool:
