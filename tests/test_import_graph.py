@@ -22,12 +22,7 @@ ROOT = Path(kvspec.__file__).resolve().parent
 
 # Circles known and owned elsewhere, each with the reason it is still here. An entry that is
 # no longer a circle fails test_known_cycles_are_still_cycles: delete it then.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"kvspec.bench.vllm", "kvspec.bench.vllm_long"}): (
-        "vllm_long imports vllm.py's private helpers and vllm.py imports vllm_long in "
-        "run(); to be untied when the vLLM benches move (issue 36, item 5)"
-    ),
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def _module_name(path: Path) -> str:

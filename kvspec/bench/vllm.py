@@ -38,7 +38,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,13 +45,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ._table import markdown_table
+from ._vllm_fleet import NO_WORK as _NO_WORK
+from ._vllm_fleet import PROBES, Fleet as _Fleet, prompts as _prompts, timed as _timed
 
 if TYPE_CHECKING:
     from .vllm_long import LongResult
 
 __all__ = ["Arm", "VllmBenchOptions", "VllmBenchResult", "run_vllm_bench"]
 
-PROBES = "kvspec.bench._vllm_probes"
 BLOCK = 32
 ENGINE_ONLY = "vLLM prefix cache, no connector"
 _FLUSH_STEPS = 8  # decode steps of the untimed request after pass 1: its stores finish
@@ -235,53 +235,6 @@ class VllmBenchResult:
         if self.long is not None:
             out += self.long.lines()
         return out
-
-
-def _prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
-    return [[(seed * 7919 + 31 * i * (n + 3) + n) % 500 + 1 for i in range(n)]
-            for n in lengths]
-
-
-_NO_WORK = [7, 3, 11, 5, 13, 2, 17, 9, 19, 4, 23, 6, 29, 8, 31, 10]  # < one block: nothing
-# to store, load or hand off
-
-
-def _timed(engine: Any, prompt: list[int], params: dict[str, Any] | None = None) -> float:
-    engine.call(f"{PROBES}:collect")  # every timed request starts from the same GC state
-    r = engine.generate([prompt], max_tokens=1,
-                        kv_transfer_params=None if params is None else [params])[0]
-    return float(r["seconds"]) * 1e3
-
-
-class _Fleet:
-    """The engines of a run; only the ones an arm needs run at a time."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self.engines: dict[str, Any] = {}
-        self.startup: dict[str, float] = {}
-        self.say = say
-
-    def start(self, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-        from kvspec.bench.vllm_engine import EngineProcess
-
-        self.say(f"starting engine {name} (10-60 s)...")
-        t0 = time.monotonic()
-        e = EngineProcess(spec, env={"PYTHONPATH": "", **(env or {})})
-        self.startup[name] = time.monotonic() - t0
-        self.engines[name] = e
-        e.pause()
-        return e
-
-    def only(self, *names: str) -> None:
-        for n, e in self.engines.items():
-            if n in names:
-                e.resume()
-            else:
-                e.pause()
-
-    def close(self) -> None:
-        for e in self.engines.values():
-            e.close(timeout_s=60)
 
 
 _PDSpec = tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]

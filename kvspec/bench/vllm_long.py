@@ -33,7 +33,8 @@ from typing import Any
 import attrs
 
 from ._table import markdown_table
-from .vllm import PROBES, _NO_WORK, _Fleet, _prompts, _timed
+from ._vllm_fleet import NO_WORK as _NO_WORK
+from ._vllm_fleet import PROBES, Fleet as _Fleet, prompts as _prompts, timed as _timed
 
 __all__ = ["LONG_MODEL", "LongArm", "LongOptions", "LongResult", "run_long_bench"]
 
