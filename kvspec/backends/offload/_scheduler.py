@@ -8,7 +8,6 @@ step's ``OffloadMetadata``, "store block b into slot s" and "load slot s into bl
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -476,6 +475,10 @@ class OffloadMetadata:
 
 
 def _id_set(ids: Iterable[str]) -> frozenset[str]:
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+        raise InvalidArgumentError(
+            f"request ids must be a set or frozenset of request ids (str), got "
+            f"{type(ids).__name__} {ids!r:.80}", clause="ERR-002")
     out = frozenset(ids)
     if not all(isinstance(i, str) and i for i in out):
         raise InvalidArgumentError(f"request ids must be non-empty str, got {sorted(map(repr, out))}",
@@ -484,6 +487,8 @@ def _id_set(ids: Iterable[str]) -> frozenset[str]:
 
 
 _MAX_FAILED_BYTES = 1 << 24
+_FAILED_DECODER = msgspec.json.Decoder(
+    Annotated[list[_ReqId], msgspec.Meta(min_length=1)])
 
 
 def _pick(container: Mapping[Any, int] | Sequence[int], keys: Sequence[Any]) -> tuple[int, ...]:
@@ -517,7 +522,7 @@ class FailedStores:
 
     def encode(self) -> bytes:
         """A JSON list of the request ids, sorted, to cross a process boundary (EVT-009)."""
-        return json.dumps(sorted(self.request_ids), separators=(",", ":")).encode()
+        return msgspec.json.encode(sorted(self.request_ids))
 
     @classmethod
     def decode(cls, data: bytes) -> FailedStores:
@@ -526,14 +531,20 @@ class FailedStores:
         Raises:
             MalformedMetadataError: anything else (ERR-005).
         """
-        try:
-            value = json.loads(data) if len(data) <= _MAX_FAILED_BYTES else None
-            if not isinstance(value, list) or not value:
-                raise InvalidArgumentError(f"expected a non-empty list, got {value!r:.80}")
-            return cls(frozenset(value))
-        except (ValueError, RecursionError, TypeError, InvalidArgumentError) as e:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MalformedMetadataError(
-                f"FailedStores is malformed: {e}", clause="ERR-005"
+                f"FailedStores must be decoded from bytes, got {type(data).__name__}",
+                clause="ERR-005")
+        if len(data) > _MAX_FAILED_BYTES:
+            raise MalformedMetadataError(
+                f"FailedStores is {len(data)} bytes; expected at most {_MAX_FAILED_BYTES}",
+                clause="ERR-005")
+        try:
+            return cls(frozenset(_FAILED_DECODER.decode(data)))
+        except (msgspec.MsgspecError, ValueError) as e:  # ValueError: a str not UTF-8
+            raise MalformedMetadataError(
+                f"FailedStores is malformed: {e}; expected a non-empty JSON list of request "
+                "ids", clause="ERR-005"
             ) from None
 
 
