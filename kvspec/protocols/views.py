@@ -335,8 +335,9 @@ tuple is kept, so what is accepted never depends on what was checked before."""
 
 def _layer_names(values: object) -> tuple[str, ...]:
     global _checked_layer_names
-    if values is _checked_layer_names:
-        return _checked_layer_names
+    cached = _checked_layer_names
+    if values is cached and cached is not None:
+        return cached
     if type(values) is tuple and set(map(type, values)) <= _STR and "" not in values:
         names = cast("tuple[str, ...]", values)
     elif isinstance(values, str) or not isinstance(values, Iterable):

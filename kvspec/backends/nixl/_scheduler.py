@@ -27,11 +27,10 @@ own (see ``kvspec.backends.nixl._worker``); the model's head counts must agree (
 
 from __future__ import annotations
 
-import math
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal, NoReturn
+from typing import Annotated, Any, Final, Literal, NoReturn
 
 import attrs
 import msgspec
@@ -65,14 +64,15 @@ from .._checks import (
     check_scheduler_output,
 )
 from .._groups import spine_of, whole_prefix
+from .._settings import PositiveSeconds, read_settings
 
 __all__ = ["NixlLoad", "NixlMetadata", "NixlScheduler", "NixlSettings", "PARAMS_KIND"]
 
 PARAMS_KIND = "kvspec.nixl.handoff"
 """The ``"kind"`` of the backend's ``kv_transfer_params``."""
 
-_META_KIND = "kvspec.nixl"
-_META_VERSION = 3
+_META_KIND: Final = "kvspec.nixl"
+_META_VERSION: Final = 3
 
 _SECRET = re.compile(r"[0-9a-f]{32}")
 
@@ -92,20 +92,13 @@ def _malformed(detail: str) -> NoReturn:
     raise MalformedMetadataError(f"NIXL metadata is malformed: {detail}", clause="ERR-005")
 
 
-def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
-        raise InvalidArgumentError(
-            f"config.extra[{name!r}] is {value!r}; expected a finite number of seconds > 0",
-            clause="ERR-002",
-        )
-    return float(value)
+class _EngineTimeout(msgspec.Struct, frozen=True):
+    """The engine's own transfer timeout, the NIXL one's default."""
+
+    seconds: PositiveSeconds = msgspec.field(default=30.0, name="kvspec.transfer_timeout_s")
 
 
-@attrs.frozen
-class NixlSettings:
+class NixlSettings(msgspec.Struct, frozen=True):
     """The NIXL backend's configuration, read from ``EngineConfigView.extra``.
 
     Attributes:
@@ -117,8 +110,9 @@ class NixlSettings:
             ``extra["nixl_free_timeout_s"]``, default 120.
     """
 
-    transfer_timeout_s: float = 30.0
-    free_timeout_s: float = 120.0
+    transfer_timeout_s: PositiveSeconds = msgspec.field(default=30.0,
+                                                        name="nixl_transfer_timeout_s")
+    free_timeout_s: PositiveSeconds = msgspec.field(default=120.0, name="nixl_free_timeout_s")
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> NixlSettings:
@@ -127,17 +121,11 @@ class NixlSettings:
         Raises:
             InvalidArgumentError: a value is malformed (ERR-002).
         """
-        if not isinstance(config, EngineConfigView):
-            raise InvalidArgumentError(
-                f"config must be an EngineConfigView, got {type(config).__name__}",
-                clause="ERR-002",
-            )
-        extra = config.extra
-        default = _seconds(extra, "kvspec.transfer_timeout_s", 30.0)
-        return cls(
-            transfer_timeout_s=_seconds(extra, "nixl_transfer_timeout_s", default),
-            free_timeout_s=_seconds(extra, "nixl_free_timeout_s", 120.0),
-        )
+        engine = read_settings(config, _EngineTimeout)
+        settings = read_settings(config, cls)
+        if "nixl_transfer_timeout_s" not in config.extra:
+            settings = msgspec.structs.replace(settings, transfer_timeout_s=engine.seconds)
+        return settings
 
 
 def _block_list(value: object, what: str, *, nulls: bool = False) -> tuple[int, ...]:
@@ -250,7 +238,7 @@ class _MetaWire(msgspec.Struct, forbid_unknown_fields=True):
     version: Literal[3]
     loads: list[_LoadWire]
     sends: dict[str, str]
-    peers: dict[str, dict[_Rank, dict[str, Any]]]
+    peers: dict[str, dict[_Rank, dict[str, Any]]]  # ranks written as decimal keys
 
 
 _META_DECODER = msgspec.json.Decoder(_MetaWire)
@@ -308,7 +296,7 @@ class NixlMetadata:
         as decimal object keys."""
         return _META_ENCODER.encode(_MetaWire(
             _META_KIND, _META_VERSION, [_LoadWire(**j.to_json()) for j in self.loads],
-            dict(self.sends), {e: {str(r): thaw_params(p) for r, p in m.items()}
+            dict(self.sends), {e: {r: thaw_params(p) for r, p in m.items()}
                                for e, m in self.peers.items()}))
 
     @classmethod

@@ -9,7 +9,6 @@ step's ``OffloadMetadata``, "store block b into slot s" and "load slot s into bl
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat, takewhile
@@ -41,6 +40,7 @@ from kvspec.protocols import (
 
 from .._checks import check_block_ids, check_blocks, check_count, check_output, check_request
 from .._groups import spine_of, whole_prefix
+from .._settings import Finite, Positive, PositiveSeconds, read_settings
 from ._eviction import EvictionPolicy, make_policy
 
 __all__ = [
@@ -63,32 +63,7 @@ _META_VERSION = 3
 # ----------------------------------------------------------------------------- settings
 
 
-def _number(extra: Mapping[str, Any], name: str, default: float, *, positive: bool,
-            maximum: float | None = None) -> float:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-        value
-    ) or value < 0 or (positive and value == 0) or (maximum is not None and value > maximum):
-        raise InvalidArgumentError(
-            f"config.extra[{name!r}] is {value!r}; expected a finite number "
-            f"{'> 0' if positive else '>= 0'}"
-            + (f" and <= {maximum}" if maximum is not None else ""),
-            clause="ERR-002",
-        )
-    return float(value)
-
-
-def _int(extra: Mapping[str, Any], name: str, default: int) -> int:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(
-            f"config.extra[{name!r}] is {value!r}; expected an int >= 1", clause="ERR-002"
-        )
-    return value
-
-
-@attrs.frozen
-class OffloadSettings:
+class OffloadSettings(msgspec.Struct, frozen=True):
     """The offloading backend's configuration, read from ``EngineConfigView.extra``.
 
     Attributes:
@@ -119,65 +94,27 @@ class OffloadSettings:
             SCH-024). A hit then costs no extra engine step. ``extra["sync_loads"]``.
     """
 
-    offload_bytes: int = 64 << 20
-    offload_slots: int = 256
-    eviction: str = "lru"
-    io_timeout_s: float = 30.0
-    load_delay_s: float = 0.0
-    load_fault_rate: float = 0.0
+    offload_bytes: Positive = 64 << 20
+    offload_slots: Positive = 256
+    eviction: Literal["lru", "arc"] = "lru"
+    io_timeout_s: PositiveSeconds = 30.0
+    load_delay_s: Finite = 0.0
+    load_fault_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     fault_seed: int = 0
-    stage_blocks: int = 32
-    store_when: str = "computed"
+    stage_blocks: Positive = msgspec.field(default=32, name="offload_stage_blocks")
+    store_when: Literal["computed", "finished"] = msgspec.field(default="computed",
+                                                                name="offload_store")
     sync_loads: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> OffloadSettings:
-        """Read the settings from ``config.extra``.
+        """Read the settings from ``config.extra`` (the keys named above; an attribute's
+        key is its name unless said otherwise).
 
         Raises:
             InvalidArgumentError: a value is malformed (ERR-002).
         """
-        if not isinstance(config, EngineConfigView):
-            raise InvalidArgumentError(
-                f"config must be an EngineConfigView, got {type(config).__name__}",
-                clause="ERR-002",
-            )
-        extra = config.extra
-        eviction = extra.get("eviction", "lru")
-        if eviction not in ("lru", "arc"):
-            raise InvalidArgumentError(
-                f"config.extra['eviction'] is {eviction!r}; expected 'lru' or 'arc'",
-                clause="ERR-002",
-            )
-        store_when = extra.get("offload_store", "computed")
-        if store_when not in ("computed", "finished"):
-            raise InvalidArgumentError(
-                f"config.extra['offload_store'] is {store_when!r}; expected 'computed' or "
-                "'finished'", clause="ERR-002",
-            )
-        sync_loads = extra.get("sync_loads", False)
-        if not isinstance(sync_loads, bool):
-            raise InvalidArgumentError(
-                f"config.extra['sync_loads'] is {sync_loads!r}; expected a bool",
-                clause="ERR-002",
-            )
-        seed = extra.get("fault_seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(
-                f"config.extra['fault_seed'] is {seed!r}; expected an int", clause="ERR-002"
-            )
-        return cls(
-            offload_bytes=_int(extra, "offload_bytes", 64 << 20),
-            offload_slots=_int(extra, "offload_slots", 256),
-            eviction=str(eviction),
-            io_timeout_s=_number(extra, "io_timeout_s", 30.0, positive=True),
-            load_delay_s=_number(extra, "load_delay_s", 0.0, positive=False),
-            load_fault_rate=_number(extra, "load_fault_rate", 0.0, positive=False, maximum=1.0),
-            fault_seed=seed,
-            stage_blocks=_int(extra, "offload_stage_blocks", 32),
-            store_when=str(store_when),
-            sync_loads=sync_loads,
-        )
+        return read_settings(config, cls)
 
 
 # ------------------------------------------------------------------------------ metadata
