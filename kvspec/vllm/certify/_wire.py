@@ -238,7 +238,15 @@ def encode_value(value: object) -> bytes:
 # ----------------------------------------------------------------------------- decoding
 
 
-class _Marker:
+class _MarkerType(type):
+    """Instances of a marker are what ``_dec_hook`` builds for it: msgspec checks so."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        target = getattr(cls, "target", None)
+        return not isinstance(target, type) or isinstance(obj, target)
+
+
+class _Marker(metaclass=_MarkerType):
     """A type msgspec does not know, standing for what ``_dec_hook`` builds itself."""
 
     target: Any = None
