@@ -38,6 +38,7 @@ __all__ = [
 
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 _TYPE_PATH = re.compile(rf"({_DOTTED}):({_DOTTED})", re.ASCII)
+_DOTTED_PATH = re.compile(_DOTTED, re.ASCII)
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
 
 
@@ -58,6 +59,7 @@ def resolve_type_path(
     what: str = "type path",
     base: type | None = None,
     loaded_only: bool = False,
+    allow_dotted: bool = False,
     error: type[KVSpecError] = MalformedMetadataError,
     clause: str | None = "ERR-005",
 ) -> Any:
@@ -69,6 +71,8 @@ def resolve_type_path(
         base: When given, the object must be a class and a subclass of ``base``.
         loaded_only: Import nothing: the module must already be loaded (a decoder that
             must not import what a peer names, ERR-006).
+        allow_dotted: Also accept ``"package.module.Name"`` without a colon (the longest
+            importable module prefix is the module), as ``pkgutil.resolve_name`` does.
         error: The kvspec error class raised.
         clause: The clause the error names (``None`` for none).
 
@@ -77,10 +81,20 @@ def resolve_type_path(
             path's form, a module not found or failing to import, a missing attribute, an
             object that is not a ``base``) and what was expected.
     """
-    if not isinstance(path, str) or not _TYPE_PATH.fullmatch(path):
+    dotted = allow_dotted and isinstance(path, str) and _DOTTED_PATH.fullmatch(path)
+    if not dotted and (not isinstance(path, str) or not _TYPE_PATH.fullmatch(path)):
         raise _fail(error, clause, what, path,
                     "expected 'package.module:Name' (an importable module, one colon, then "
                     "an attribute name or dotted attribute path)")
+    assert isinstance(path, str)
+    if dotted:
+        if loaded_only and path.partition(".")[0] not in sys.modules:
+            raise _fail(error, clause, what, path, "its package is not loaded")
+        try:
+            return pkgutil.resolve_name(path)
+        except Exception as e:
+            raise _fail(error, clause, what, path, f"cannot be resolved: {type(e).__name__}: "
+                        f"{e}") from e
     module_name, _, attr_path = path.partition(":")
     if loaded_only and module_name not in sys.modules:
         raise _fail(error, clause, what, path,

@@ -151,6 +151,14 @@ def test_the_resolver_names_what_was_wrong() -> None:
         assert fragment in str(err.value), str(err.value)
 
 
+def test_the_resolver_takes_dotted_paths_when_told_so() -> None:
+    assert resolve_type_path("kvspec.protocols.wire.Envelope", allow_dotted=True) is Envelope
+    with pytest.raises(MalformedMetadataError, match="expected 'package.module:Name'"):
+        resolve_type_path("kvspec.protocols.wire.Envelope")
+    with pytest.raises(MalformedMetadataError, match="cannot be resolved"):
+        resolve_type_path("kvspec.protocols.wire.Missing", allow_dotted=True)
+
+
 def test_the_resolver_imports_nothing_when_told_so() -> None:
     name = "kvspec.demo.pd"
     before = name in sys.modules
