@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .protocols import InvalidArgumentError, TransferTimeoutError
+from .protocols import InvalidArgumentError, TransferTimeoutError, parse_decimal
 
 __all__ = ["parse_address", "running_service"]
 
@@ -33,10 +33,14 @@ def parse_address(text: str) -> tuple[str, int]:
         InvalidArgumentError: not ``HOST:PORT`` with a port in 1..65535.
     """
     host, sep, port = text.removeprefix("tcp://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        if not sep or not host:
+            raise InvalidArgumentError("no HOST:PORT")
+        return host, parse_decimal(port, what="port", minimum=1, maximum=65535,
+                                   error=InvalidArgumentError, clause=None)
+    except InvalidArgumentError:
         raise InvalidArgumentError(f"bad service address {text!r}; expected HOST:PORT, e.g. "
-                                   "localhost:5555")
-    return host, int(port)
+                                   "localhost:5555") from None
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -111,6 +111,12 @@ from .executor import (
 from .connector import (
     ConnectorFactory,
 )
+from .wire import (
+    Envelope,
+    parse_decimal,
+    resolve_type_path,
+    type_path,
+)
 from ._loading import (
     factory_spec,
     load_factory,
@@ -137,6 +143,7 @@ __all__ = [
     "HarnessError",
     "EMPTY_OUTPUT",
     "EngineConfigView",
+    "Envelope",
     "ExecutorConnector",
     "FAULTS_KEY",
     "FailureReporting",
@@ -194,6 +201,9 @@ __all__ = [
     "thaw_params",
     "load_factory",
     "negotiate_layout",
+    "parse_decimal",
     "plan_forward",
     "resolve_graph_mode",
+    "resolve_type_path",
+    "type_path",
 ]

@@ -22,12 +22,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 from typing import Any
 
 from .capabilities import Capabilities
 from .connector import ConnectorFactory
 from .errors import InvalidArgumentError
+from .wire import resolve_type_path, type_path
 
 __all__ = ["EXTRA_ENV", "connector_extra", "factory_spec", "load_factory"]
 
@@ -62,8 +62,6 @@ def connector_extra() -> dict[str, Any]:
     return value
 
 
-_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-
 _SCHEMES = {"vllm": ("kvspec.vllm.certify", "factory_from_spec",
                      "needs vLLM installed (pip install kvspec[vllm], or on a CPU-only "
                      "machine scripts/vllm_env.sh)")}
@@ -76,39 +74,8 @@ _FACTORY_MEMBERS = ("name", "capabilities", "create_scheduler", "create_worker",
 
 
 def _import_attribute(spec: str) -> object:
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or ":" in attr_path or not _DOTTED.match(module_name) or not _DOTTED.match(attr_path):
-        raise InvalidArgumentError(
-            f"bad connector spec {spec!r}: expected 'package.module:Name' (an importable module, "
-            "one colon, then an attribute name or dotted attribute path)"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise InvalidArgumentError(
-                f"bad connector spec {spec!r}: module {module_name!r} not found "
-                "(is it installed, or on sys.path?)"
-            ) from e
-        raise InvalidArgumentError(
-            f"bad connector spec {spec!r}: importing module {module_name!r} failed: {e}"
-        ) from e
-    except Exception as e:
-        raise InvalidArgumentError(
-            f"bad connector spec {spec!r}: importing module {module_name!r} raised "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    obj: object = module
-    walked = module_name
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise InvalidArgumentError(
-                f"bad connector spec {spec!r}: {walked!r} has no attribute {part!r}"
-            ) from None
-        walked = f"{walked}.{part}" if walked != module_name else f"{module_name}:{part}"
-    return obj
+    return resolve_type_path(spec, what="connector spec", error=InvalidArgumentError,
+                             clause=None)
 
 
 def _from_scheme(spec: str) -> object | None:
@@ -214,4 +181,4 @@ def factory_spec(factory: ConnectorFactory | type) -> str:
             f"factory class {module}.{qualname} is not importable by name: define it at module "
             "level in an importable module"
         )
-    return f"{module}:{qualname}"
+    return type_path(cls)

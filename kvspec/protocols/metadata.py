@@ -17,16 +17,43 @@ from typing_extensions import Self
 from .errors import (
     CompatibilityError,
     InvalidArgumentError,
+    KVSpecError,
     MalformedMetadataError,
     MetadataNotBoundError,
 )
 from .views import freeze_params
+from .wire import parse_decimal
+
+MAX_SPEC_MAJOR = 999_999
+"""The largest spec major version a peer may name (six ASCII digits)."""
+
+
+def spec_major(
+    version: object, *, error: type[KVSpecError] = InvalidArgumentError,
+    clause: str | None = "HSK-003",
+) -> int:
+    """The major part of a spec version such as ``"1.2"``: ASCII digits, at most
+    ``MAX_SPEC_MAJOR`` (``parse_decimal``), never a bare ``ValueError``.
+
+    Raises:
+        KVSpecError: of class ``error`` naming ``clause``: not such a version string.
+    """
+    major = version.split(".")[0] if isinstance(version, str) else None
+    try:
+        return parse_decimal(major, what="spec_version's major part", maximum=MAX_SPEC_MAJOR,
+                             error=error, clause=clause)
+    except KVSpecError:
+        raise error(f"spec_version must look like '1.2' (a major part of at most "
+                    f"{len(str(MAX_SPEC_MAJOR))} ASCII digits), got {version!r:.60}",
+                    clause=clause) from None
 
 __all__ = [
     "ConnectorMetadata",
     "decode_json_envelope",
     "HandshakeMetadata",
+    "MAX_SPEC_MAJOR",
     "MetadataSlot",
+    "spec_major",
 ]
 
 M = TypeVar("M")
@@ -206,10 +233,7 @@ class HandshakeMetadata:
             raise InvalidArgumentError(f"engine_id must be a non-empty str, got {self.engine_id!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise InvalidArgumentError(f"rank must be an int >= 0, got {self.rank!r}")
-        if not isinstance(self.spec_version, str) or not self.spec_version.split(".")[0].isdigit():
-            raise InvalidArgumentError(
-                f"spec_version must look like '1.2', got {self.spec_version!r}"
-            )
+        spec_major(self.spec_version, clause="HSK-001")
         missing = [k for k in _LAYOUT_KEYS if k not in self.layout]
         if missing:
             raise InvalidArgumentError(
@@ -279,7 +303,7 @@ class HandshakeMetadata:
         """
         if not isinstance(peer, HandshakeMetadata):
             raise InvalidArgumentError(f"peer must be HandshakeMetadata, got {type(peer).__name__}")
-        mine, theirs = int(self.spec_version.split(".")[0]), int(peer.spec_version.split(".")[0])
+        mine, theirs = spec_major(self.spec_version), spec_major(peer.spec_version)
         if mine != theirs:
             raise CompatibilityError(
                 f"spec major version differs: {self.engine_id} rank {self.rank} implements "

@@ -18,7 +18,7 @@ import attrs
 import msgspec
 
 from .errors import InvalidArgumentError, InvalidBlockIdError
-from .groups import GroupKind, KVCacheGroup, check_groups
+from .groups import NULL_BLOCK_ID, GroupKind, KVCacheGroup, check_groups
 
 __all__ = [
     "AllocatedBlocks",
@@ -253,8 +253,10 @@ class ForwardKind(enum.Enum):
 def _ids_tuple(value: Iterable[str]) -> tuple[str, ...]:
     if type(value) in _CONTAINERS and set(map(type, value)) <= _STR and "" not in value:
         return tuple(value)  # the common case, checked at C speed
-    if isinstance(value, str) or not isinstance(value, Iterable):
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         got = "one str" if isinstance(value, str) else type(value).__name__
+        if isinstance(value, Mapping):
+            got += " (a mapping's keys are not taken for ids: pass a set or frozenset of str)"
         raise InvalidArgumentError(
             f"expected an iterable of request ids, got {got}", clause="ERR-002"
         )
@@ -293,7 +295,19 @@ def _groups(groups: object) -> tuple[tuple[int, ...], ...]:
             f"got {groups!r}",
             clause="ERR-003",
         )
-    return tuple(_block_ids("block ids", g) for g in groups)
+    out = tuple(_block_ids("block ids", g) for g in groups)
+    for g, ids in enumerate(out):
+        if len(set(ids)) != len(ids):  # only the null block may repeat (KVG-004)
+            seen: set[int] = set()
+            for b in ids:
+                if b in seen and b != NULL_BLOCK_ID:
+                    raise InvalidBlockIdError(
+                        f"group {g} holds block id {b} twice; a request's blocks in one group "
+                        f"are distinct (only the null block {NULL_BLOCK_ID} may repeat)",
+                        clause="ERR-003",
+                    )
+                seen.add(b)
+    return out
 
 
 def _token_counts(m: object) -> Mapping[str, int]:
@@ -313,31 +327,36 @@ def _hashes(values: object) -> tuple[bytes, ...]:
     return tuple(values)
 
 
-_checked_layer_names: tuple[str, ...] = ()
-"""The last tuple of layer names found valid and unique: an engine passes the same tuple
-every step, and a tuple of str cannot change, so it is not checked again."""
+_checked_layer_names: tuple[str, ...] | None = None
+"""The last tuple of layer names found valid (non-empty, unique): an engine passes the same
+tuple every step, and a tuple of str cannot change, so it is not checked again. Only a valid
+tuple is kept, so what is accepted never depends on what was checked before."""
 
 
 def _layer_names(values: object) -> tuple[str, ...]:
     global _checked_layer_names
-    if values is _checked_layer_names:
-        return _checked_layer_names
+    cached = _checked_layer_names
+    if values is cached and cached is not None:
+        return cached
     if type(values) is tuple and set(map(type, values)) <= _STR and "" not in values:
         names = cast("tuple[str, ...]", values)
-        if names and len(set(names)) == len(names):
-            _checked_layer_names = names
-        return names
-    if isinstance(values, str) or not isinstance(values, Iterable):
+    elif isinstance(values, str) or not isinstance(values, Iterable):
         raise InvalidArgumentError(
             f"layer_names must be an iterable of str, got {values!r}", clause="ERR-002"
         )
-    out = tuple(values)
-    for v in out:
-        if not isinstance(v, str) or not v:
-            raise InvalidArgumentError(
-                f"layer_names must hold non-empty str, got {v!r}", clause="ERR-002"
-            )
-    return out
+    else:
+        names = tuple(values)
+        for v in names:
+            if not isinstance(v, str) or not v:
+                raise InvalidArgumentError(
+                    f"layer_names must hold non-empty str, got {v!r}", clause="ERR-002"
+                )
+    if not names or len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"layer_names must be unique and non-empty, got {names!r}", clause="ERR-002"
+        )
+    _checked_layer_names = names
+    return names
 
 
 def _is(cls: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -668,11 +687,6 @@ class ForwardContextView:
             )
         if self.step_id is not None:
             _nonneg("step_id", self.step_id)
-        names = self.layer_names
-        if names is not _checked_layer_names and (not names or len(set(names)) != len(names)):
-            raise InvalidArgumentError(
-                f"layer_names must be unique and non-empty, got {self.layer_names!r}"
-            )
 
 
 def _groups_tuple(value: object) -> object:

@@ -10,7 +10,6 @@ decoders, which validate what they read (ERR-005).
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -32,9 +31,11 @@ from kvspec.protocols import (
     BlockStored,
     ConnectorMetadata,
     ConnectorStats,
+    Envelope,
     KVCacheEvent,
     MalformedMetadataError,
     SupportsAggregate,
+    resolve_type_path,
 )
 
 __all__ = [
@@ -51,22 +52,32 @@ class StepWire(KVConnectorMetadata):  # type: ignore[misc]
     """One step's metadata as vLLM carries it to the workers.
 
     Attributes:
-        payload: ``ConnectorMetadata.encode()`` of the kvspec connector's metadata.
-        meta_type: ``"module:QualName"`` of its class, whose ``decode`` rebuilds it.
+        envelope: The kvspec connector's metadata as an ``Envelope``: its class's
+            ``"module:QualName"`` (whose ``decode`` rebuilds it) and
+            ``ConnectorMetadata.encode()``.
         step_id: The adapter's step counter (the ``ForwardContextView.step_id``).
         num_tokens: Tokens scheduled in the step.
         preempted: Requests preempted in the step (``handle_preemptions``, WRK-012).
     """
 
-    __slots__ = ("meta_type", "num_tokens", "payload", "preempted", "step_id")
+    __slots__ = ("envelope", "num_tokens", "preempted", "step_id")
 
     def __init__(self, payload: bytes, meta_type: str, step_id: int, num_tokens: int,
                  preempted: frozenset[str]) -> None:
-        self.payload = payload
-        self.meta_type = meta_type
+        self.envelope = Envelope(meta_type, payload)
         self.step_id = step_id
         self.num_tokens = num_tokens
         self.preempted = preempted
+
+    @property
+    def payload(self) -> bytes:
+        """``ConnectorMetadata.encode()`` of the kvspec connector's metadata."""
+        return self.envelope.data
+
+    @property
+    def meta_type(self) -> str:
+        """``"module:QualName"`` of the metadata's class."""
+        return self.envelope.type_path
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (StepWire, (self.payload, self.meta_type, self.step_id, self.num_tokens,
@@ -85,16 +96,7 @@ def metadata_type(path: str) -> type[ConnectorMetadata]:
     cls = _TYPES.get(path)
     if cls is not None:
         return cls
-    module, _, qualname = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise MalformedMetadataError(
-            f"step metadata names type {path!r}, which cannot be imported: {e}",
-            clause="ERR-005",
-        ) from e
+    obj = resolve_type_path(path, what="step metadata type", clause="ERR-005")
     if not isinstance(obj, type) or not callable(getattr(obj, "decode", None)):
         raise MalformedMetadataError(
             f"step metadata names {path!r}, which is not a ConnectorMetadata class",

@@ -43,6 +43,7 @@ from kvspec.protocols import (
     SchedulerConnector,
     UnsupportedOperationError,
     WorkerConnector,
+    type_path,
 )
 
 from ._layout import describe_kv_caches, required_layout_name
@@ -455,7 +456,7 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = self._sched().build_connector_meta(view)
         t0 = time.perf_counter_ns()
         cls = type(meta)
-        wire = StepWire(meta.encode(), f"{cls.__module__}:{cls.__qualname__}", self._step,
+        wire = StepWire(meta.encode(), type_path(cls), self._step,
                         view.total_num_scheduled_tokens, view.preempted_req_ids)
         for rid in view.finished_req_ids:  # requests that ended without request_finished
             self._requests.forget(rid)

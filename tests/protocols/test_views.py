@@ -135,7 +135,7 @@ def test_check_budget() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 200), max_size=6), min_size=1, max_size=3),
+@given(st.lists(st.lists(st.integers(0, 200), max_size=6, unique=True), min_size=1, max_size=3),
        st.integers(1, 200))
 def test_check_budget_property(groups: list[list[int]], budget: int) -> None:
     b = AllocatedBlocks(groups)

@@ -221,7 +221,8 @@ def test_handshake_payload_round_trips() -> None:
     hs = _wrap_handshake(value, "e", 0, HarnessConfig().layout())
     assert _unwrap_handshake(type(hs).decode(hs.encode())) == value
     bad = type(hs)(engine_id="e", rank=0, spec_version=hs.spec_version, layout=hs.layout,
-                   payload={"cls": hs.payload["cls"], "data": base64.b64encode(b"\xc1").decode()})
+                   payload={"type_path": hs.payload["type_path"],
+                            "data": base64.b64encode(b"\xc1").decode()})
     with pytest.raises(MalformedMetadataError):
         _unwrap_handshake(bad)
 

@@ -33,6 +33,7 @@ from kvspec.protocols.errors import (
     MalformedMetadataError,
 )
 from kvspec.protocols.layout import KVCacheLayout
+from kvspec.protocols.metadata import spec_major
 
 __all__ = [
     "BlockGeometry",
@@ -429,8 +430,10 @@ class PeerInfo:
         for key in ("spec_version", "agent_name", "agent_metadata", "mem_type"):
             if not isinstance(obj[key], str) or not obj[key]:
                 raise bad(f"{key} must be a non-empty string, got {obj[key]!r}")
-        if not obj["spec_version"].split(".")[0].isdigit():
-            raise bad(f"spec_version must look like '1.2', got {obj['spec_version']!r}")
+        try:
+            spec_major(obj["spec_version"], error=MalformedMetadataError, clause="HSK-005")
+        except MalformedMetadataError as e:
+            raise bad(e.message) from None
         if obj["mem_type"] not in ("DRAM", "VRAM"):
             raise bad(f"mem_type must be 'DRAM' or 'VRAM', got {obj['mem_type']!r}")
         try:

@@ -27,14 +27,13 @@ own (see ``kvspec.backends.nixl._worker``); the model's head counts must agree (
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import Any, NoReturn
+from typing import Annotated, Any, Final, Literal, NoReturn
 
 import attrs
+import msgspec
 from typing_extensions import Self
 
 from kvspec.protocols import (
@@ -53,9 +52,9 @@ from kvspec.protocols import (
     SchedulerOutputView,
     TransferRole,
     UnknownRequestError,
+    parse_decimal,
     thaw_params,
 )
-from kvspec.protocols.metadata import decode_json_envelope
 
 from .._checks import (
     check_blocks,
@@ -65,14 +64,15 @@ from .._checks import (
     check_scheduler_output,
 )
 from .._groups import spine_of, whole_prefix
+from .._settings import PositiveSeconds, read_settings
 
 __all__ = ["NixlLoad", "NixlMetadata", "NixlScheduler", "NixlSettings", "PARAMS_KIND"]
 
 PARAMS_KIND = "kvspec.nixl.handoff"
 """The ``"kind"`` of the backend's ``kv_transfer_params``."""
 
-_META_KIND = "kvspec.nixl"
-_META_VERSION = 3
+_META_KIND: Final = "kvspec.nixl"
+_META_VERSION: Final = 3
 
 _SECRET = re.compile(r"[0-9a-f]{32}")
 
@@ -92,20 +92,13 @@ def _malformed(detail: str) -> NoReturn:
     raise MalformedMetadataError(f"NIXL metadata is malformed: {detail}", clause="ERR-005")
 
 
-def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
-        raise InvalidArgumentError(
-            f"config.extra[{name!r}] is {value!r}; expected a finite number of seconds > 0",
-            clause="ERR-002",
-        )
-    return float(value)
+class _EngineTimeout(msgspec.Struct, frozen=True):
+    """The engine's own transfer timeout, the NIXL one's default."""
+
+    seconds: PositiveSeconds = msgspec.field(default=30.0, name="kvspec.transfer_timeout_s")
 
 
-@attrs.frozen
-class NixlSettings:
+class NixlSettings(msgspec.Struct, frozen=True):
     """The NIXL backend's configuration, read from ``EngineConfigView.extra``.
 
     Attributes:
@@ -117,8 +110,9 @@ class NixlSettings:
             ``extra["nixl_free_timeout_s"]``, default 120.
     """
 
-    transfer_timeout_s: float = 30.0
-    free_timeout_s: float = 120.0
+    transfer_timeout_s: PositiveSeconds = msgspec.field(default=30.0,
+                                                        name="nixl_transfer_timeout_s")
+    free_timeout_s: PositiveSeconds = msgspec.field(default=120.0, name="nixl_free_timeout_s")
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> NixlSettings:
@@ -127,17 +121,11 @@ class NixlSettings:
         Raises:
             InvalidArgumentError: a value is malformed (ERR-002).
         """
-        if not isinstance(config, EngineConfigView):
-            raise InvalidArgumentError(
-                f"config must be an EngineConfigView, got {type(config).__name__}",
-                clause="ERR-002",
-            )
-        extra = config.extra
-        default = _seconds(extra, "kvspec.transfer_timeout_s", 30.0)
-        return cls(
-            transfer_timeout_s=_seconds(extra, "nixl_transfer_timeout_s", default),
-            free_timeout_s=_seconds(extra, "nixl_free_timeout_s", 120.0),
-        )
+        engine = read_settings(config, _EngineTimeout)
+        settings = read_settings(config, cls)
+        if "nixl_transfer_timeout_s" not in config.extra:
+            settings = msgspec.structs.replace(settings, transfer_timeout_s=engine.seconds)
+        return settings
 
 
 def _block_list(value: object, what: str, *, nulls: bool = False) -> tuple[int, ...]:
@@ -225,8 +213,36 @@ class NixlLoad:
                 "remote_groups": [list(c) for c in self.remote_groups]}
 
 
-_META_KEYS = frozenset({"kind", "version", "loads", "sends", "peers"})
-_LOAD_KEYS = frozenset(a.name for a in attrs.fields(NixlLoad))
+_MAX_RANK = 1 << 20
+"""The largest rank a peer may name (a decimal key of at most 7 ASCII digits)."""
+_Rank = Annotated[int, msgspec.Meta(ge=0, le=_MAX_RANK)]
+
+
+class _LoadWire(msgspec.Struct, forbid_unknown_fields=True):
+    """A ``NixlLoad`` as ``NixlMetadata.encode`` writes it."""
+
+    request_id: str
+    engine_id: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    notification: str
+    secret: str
+    local_groups: list[list[int]]
+    remote_groups: list[list[int]]
+
+
+class _MetaWire(msgspec.Struct, forbid_unknown_fields=True):
+    """``NixlMetadata`` as it crosses: kind and version first, peers' ranks as keys."""
+
+    kind: Literal["kvspec.nixl"]
+    version: Literal[3]
+    loads: list[_LoadWire]
+    sends: dict[str, str]
+    peers: dict[str, dict[_Rank, dict[str, Any]]]  # ranks written as decimal keys
+
+
+_META_DECODER = msgspec.json.Decoder(_MetaWire)
+_META_ENCODER = msgspec.json.Encoder()
 
 
 @attrs.frozen
@@ -276,53 +292,35 @@ class NixlMetadata:
         return not (self.loads or self.sends or self.peers)
 
     def encode(self) -> bytes:
-        """UTF-8 JSON, no pickle (ERR-006)."""
-        return json.dumps({
-            "kind": _META_KIND, "version": _META_VERSION,
-            "loads": [j.to_json() for j in self.loads], "sends": dict(self.sends),
-            "peers": {e: {str(r): thaw_params(p) for r, p in m.items()}
-                      for e, m in self.peers.items()},
-        }, sort_keys=True, separators=(",", ":")).encode()
+        """UTF-8 JSON, no pickle (ERR-006): ``{kind, version, loads, sends, peers}``, ranks
+        as decimal object keys."""
+        return _META_ENCODER.encode(_MetaWire(
+            _META_KIND, _META_VERSION, [_LoadWire(**j.to_json()) for j in self.loads],
+            dict(self.sends), {e: {r: thaw_params(p) for r, p in m.items()}
+                               for e, m in self.peers.items()}))
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        """Decode and validate ``encode`` output.
+        """Decode and validate ``encode`` output: msgspec's typed decoder checks the layout
+        and every value's type (ranks as decimal keys in ``[0, 2**20]``), then the fields
+        are checked as the constructor checks them.
 
         Raises:
             MalformedMetadataError: anything else (ERR-005).
         """
-        obj = decode_json_envelope(data, kind=_META_KIND, version=_META_VERSION,
-                                   keys=_META_KEYS, lists=("loads",), fail=_malformed)
-        peers = obj["peers"]
-        if not isinstance(peers, dict) or not all(
-            isinstance(m, dict) and all(k.isdigit() and isinstance(p, dict) for k, p in m.items())
-            for m in peers.values()
-        ):
-            _malformed(f"peers is {peers!r}; expected {{engine: {{rank: peer info}}}}")
-        loads = []
-        for i, value in enumerate(obj["loads"]):
-            if not isinstance(value, dict) or set(value) != _LOAD_KEYS:
-                _malformed(f"loads[{i}] is {value!r}; expected keys {sorted(_LOAD_KEYS)}")
-            try:
-                loads.append(NixlLoad(
-                    value["request_id"], value["engine_id"],
-                    _block_list(value["local_blocks"], "local_blocks"),
-                    _block_list(value["remote_blocks"], "remote_blocks"), value["notification"],
-                    value["secret"],
-                    tuple(map(tuple, value["local_groups"]))
-                    if isinstance(value["local_groups"], list) else value["local_groups"],
-                    tuple(map(tuple, value["remote_groups"]))
-                    if isinstance(value["remote_groups"], list) else value["remote_groups"],
-                ))
-            except InvalidArgumentError as e:
-                _malformed(f"loads[{i}]: {e.message}")
-        sends = obj["sends"]
-        if not isinstance(sends, dict):
-            _malformed(f"sends is {sends!r}; expected {{request id: secret}}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            _malformed(f"expected bytes, got {type(data).__name__}")
         try:
-            return cls(loads=tuple(loads), sends=sends, peers={
-                e: {int(r): p for r, p in m.items()} for e, m in peers.items()
-            })
+            wire = _META_DECODER.decode(data)
+        except (msgspec.MsgspecError, ValueError, RecursionError) as e:  # ValueError: UTF-8
+            _malformed(f"{e}; expected the JSON object encode() writes")
+        try:
+            loads = tuple(NixlLoad(
+                j.request_id, j.engine_id, _block_list(j.local_blocks, "local_blocks"),
+                _block_list(j.remote_blocks, "remote_blocks"), j.notification, j.secret,
+                tuple(map(tuple, j.local_groups)), tuple(map(tuple, j.remote_groups)),
+            ) for j in wire.loads)
+            return cls(loads=loads, sends=wire.sends, peers=wire.peers)
         except InvalidArgumentError as e:
             _malformed(e.message)
 
@@ -350,9 +348,12 @@ def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
     try:
         peers = params["peers"]
         if not isinstance(peers, Mapping) or not peers or not all(
-            str(r).isdigit() and isinstance(p, Mapping) for r, p in peers.items()
+            isinstance(p, Mapping) for p in peers.values()
         ):
-            raise InvalidArgumentError(f"peers is {peers!r}")
+            raise InvalidArgumentError(f"peers is {peers!r:.200}; expected {{rank: peer info}}")
+        ranks = {parse_decimal(str(r), what="a peers rank", maximum=_MAX_RANK,
+                               error=InvalidArgumentError, clause="SCH-018"): p
+                 for r, p in peers.items()}
         engine, rid = params["engine_id"], params["request_id"]
         if not isinstance(engine, str) or not engine or not isinstance(rid, str) or not rid:
             raise InvalidArgumentError("engine_id and request_id must be non-empty strings")
@@ -361,7 +362,7 @@ def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
             else ()
         if groups and blocks not in groups:
             raise InvalidArgumentError("blocks must be one of the groups' columns")
-        return _Handoff(engine, rid, blocks, {int(r): p for r, p in peers.items()},
+        return _Handoff(engine, rid, blocks, ranks,
                         _check_secret(params["secret"], "secret"), groups)
     except KeyError as e:
         raise MalformedMetadataError(

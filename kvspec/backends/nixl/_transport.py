@@ -52,6 +52,7 @@ from kvspec.protocols.errors import (
     MalformedMetadataError,
 )
 from kvspec.protocols.layout import KVCacheLayout
+from kvspec.protocols.metadata import spec_major
 
 from ._descriptors import (
     BlockGeometry,
@@ -270,10 +271,7 @@ class NixlEndpoint:
             isinstance(b, str) for b in backends
         ):
             raise InvalidArgumentError(f"backends must be a list of names, got {backends!r}")
-        if not isinstance(spec_version, str) or not spec_version.split(".")[0].isdigit():
-            raise InvalidArgumentError(
-                f"spec_version must look like '1.2', got {spec_version!r}", clause="HSK-003"
-            )
+        spec_major(spec_version, clause="HSK-003")
         if not callable(clock):
             raise InvalidArgumentError("clock must be a callable returning seconds")
         mem_type, device_id = _mem_of(buffer)

@@ -45,10 +45,12 @@ from kvspec.protocols import (
     KVCacheLayout,
     KVSpecError,
     LayoutMismatchError,
+    MalformedMetadataError,
     MetadataSlot,
     SupportsAggregate,
     TransferRole,
     WorkerConnector,
+    parse_decimal,
 )
 
 from .._groups import storage_of
@@ -119,11 +121,14 @@ def _parse_notification(message: bytes) -> tuple[str, str, int] | None:
     if len(parts) != 3:
         return None
     secret, count, rid = parts
-    if not (rid and _SECRET.fullmatch(secret) and count.isascii() and count.isdigit()
-            and len(count) <= 5):
+    if not (rid and _SECRET.fullmatch(secret)):
         return None
-    n = int(count)
-    return (rid, secret, n) if 1 <= n <= _MAX_READERS else None
+    try:
+        n = parse_decimal(count, what="a notification's count", minimum=1,
+                          maximum=_MAX_READERS)
+    except MalformedMetadataError:
+        return None
+    return rid, secret, n
 
 
 class _Poller:

@@ -8,9 +8,7 @@ step's ``OffloadMetadata``, "store block b into slot s" and "load slot s into bl
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat, takewhile
@@ -42,6 +40,7 @@ from kvspec.protocols import (
 
 from .._checks import check_block_ids, check_blocks, check_count, check_output, check_request
 from .._groups import spine_of, whole_prefix
+from .._settings import Finite, Positive, PositiveSeconds, read_settings
 from ._eviction import EvictionPolicy, make_policy
 
 __all__ = [
@@ -64,32 +63,7 @@ _META_VERSION = 3
 # ----------------------------------------------------------------------------- settings
 
 
-def _number(extra: Mapping[str, Any], name: str, default: float, *, positive: bool,
-            maximum: float | None = None) -> float:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-        value
-    ) or value < 0 or (positive and value == 0) or (maximum is not None and value > maximum):
-        raise InvalidArgumentError(
-            f"config.extra[{name!r}] is {value!r}; expected a finite number "
-            f"{'> 0' if positive else '>= 0'}"
-            + (f" and <= {maximum}" if maximum is not None else ""),
-            clause="ERR-002",
-        )
-    return float(value)
-
-
-def _int(extra: Mapping[str, Any], name: str, default: int) -> int:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(
-            f"config.extra[{name!r}] is {value!r}; expected an int >= 1", clause="ERR-002"
-        )
-    return value
-
-
-@attrs.frozen
-class OffloadSettings:
+class OffloadSettings(msgspec.Struct, frozen=True):
     """The offloading backend's configuration, read from ``EngineConfigView.extra``.
 
     Attributes:
@@ -120,65 +94,27 @@ class OffloadSettings:
             SCH-024). A hit then costs no extra engine step. ``extra["sync_loads"]``.
     """
 
-    offload_bytes: int = 64 << 20
-    offload_slots: int = 256
-    eviction: str = "lru"
-    io_timeout_s: float = 30.0
-    load_delay_s: float = 0.0
-    load_fault_rate: float = 0.0
+    offload_bytes: Positive = 64 << 20
+    offload_slots: Positive = 256
+    eviction: Literal["lru", "arc"] = "lru"
+    io_timeout_s: PositiveSeconds = 30.0
+    load_delay_s: Finite = 0.0
+    load_fault_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     fault_seed: int = 0
-    stage_blocks: int = 32
-    store_when: str = "computed"
+    stage_blocks: Positive = msgspec.field(default=32, name="offload_stage_blocks")
+    store_when: Literal["computed", "finished"] = msgspec.field(default="computed",
+                                                                name="offload_store")
     sync_loads: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfigView) -> OffloadSettings:
-        """Read the settings from ``config.extra``.
+        """Read the settings from ``config.extra`` (the keys named above; an attribute's
+        key is its name unless said otherwise).
 
         Raises:
             InvalidArgumentError: a value is malformed (ERR-002).
         """
-        if not isinstance(config, EngineConfigView):
-            raise InvalidArgumentError(
-                f"config must be an EngineConfigView, got {type(config).__name__}",
-                clause="ERR-002",
-            )
-        extra = config.extra
-        eviction = extra.get("eviction", "lru")
-        if eviction not in ("lru", "arc"):
-            raise InvalidArgumentError(
-                f"config.extra['eviction'] is {eviction!r}; expected 'lru' or 'arc'",
-                clause="ERR-002",
-            )
-        store_when = extra.get("offload_store", "computed")
-        if store_when not in ("computed", "finished"):
-            raise InvalidArgumentError(
-                f"config.extra['offload_store'] is {store_when!r}; expected 'computed' or "
-                "'finished'", clause="ERR-002",
-            )
-        sync_loads = extra.get("sync_loads", False)
-        if not isinstance(sync_loads, bool):
-            raise InvalidArgumentError(
-                f"config.extra['sync_loads'] is {sync_loads!r}; expected a bool",
-                clause="ERR-002",
-            )
-        seed = extra.get("fault_seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(
-                f"config.extra['fault_seed'] is {seed!r}; expected an int", clause="ERR-002"
-            )
-        return cls(
-            offload_bytes=_int(extra, "offload_bytes", 64 << 20),
-            offload_slots=_int(extra, "offload_slots", 256),
-            eviction=str(eviction),
-            io_timeout_s=_number(extra, "io_timeout_s", 30.0, positive=True),
-            load_delay_s=_number(extra, "load_delay_s", 0.0, positive=False),
-            load_fault_rate=_number(extra, "load_fault_rate", 0.0, positive=False, maximum=1.0),
-            fault_seed=seed,
-            stage_blocks=_int(extra, "offload_stage_blocks", 32),
-            store_when=str(store_when),
-            sync_loads=sync_loads,
-        )
+        return read_settings(config, cls)
 
 
 # ------------------------------------------------------------------------------ metadata
@@ -476,6 +412,10 @@ class OffloadMetadata:
 
 
 def _id_set(ids: Iterable[str]) -> frozenset[str]:
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+        raise InvalidArgumentError(
+            f"request ids must be a set or frozenset of request ids (str), got "
+            f"{type(ids).__name__} {ids!r:.80}", clause="ERR-002")
     out = frozenset(ids)
     if not all(isinstance(i, str) and i for i in out):
         raise InvalidArgumentError(f"request ids must be non-empty str, got {sorted(map(repr, out))}",
@@ -484,6 +424,8 @@ def _id_set(ids: Iterable[str]) -> frozenset[str]:
 
 
 _MAX_FAILED_BYTES = 1 << 24
+_FAILED_DECODER = msgspec.json.Decoder(
+    Annotated[list[_ReqId], msgspec.Meta(min_length=1)])
 
 
 def _pick(container: Mapping[Any, int] | Sequence[int], keys: Sequence[Any]) -> tuple[int, ...]:
@@ -517,7 +459,7 @@ class FailedStores:
 
     def encode(self) -> bytes:
         """A JSON list of the request ids, sorted, to cross a process boundary (EVT-009)."""
-        return json.dumps(sorted(self.request_ids), separators=(",", ":")).encode()
+        return msgspec.json.encode(sorted(self.request_ids))
 
     @classmethod
     def decode(cls, data: bytes) -> FailedStores:
@@ -526,14 +468,20 @@ class FailedStores:
         Raises:
             MalformedMetadataError: anything else (ERR-005).
         """
-        try:
-            value = json.loads(data) if len(data) <= _MAX_FAILED_BYTES else None
-            if not isinstance(value, list) or not value:
-                raise InvalidArgumentError(f"expected a non-empty list, got {value!r:.80}")
-            return cls(frozenset(value))
-        except (ValueError, RecursionError, TypeError, InvalidArgumentError) as e:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MalformedMetadataError(
-                f"FailedStores is malformed: {e}", clause="ERR-005"
+                f"FailedStores must be decoded from bytes, got {type(data).__name__}",
+                clause="ERR-005")
+        if len(data) > _MAX_FAILED_BYTES:
+            raise MalformedMetadataError(
+                f"FailedStores is {len(data)} bytes; expected at most {_MAX_FAILED_BYTES}",
+                clause="ERR-005")
+        try:
+            return cls(frozenset(_FAILED_DECODER.decode(data)))
+        except (msgspec.MsgspecError, ValueError) as e:  # ValueError: a str not UTF-8
+            raise MalformedMetadataError(
+                f"FailedStores is malformed: {e}; expected a non-empty JSON list of request "
+                "ids", clause="ERR-005"
             ) from None
 
 

@@ -7,8 +7,6 @@ kills a worker that does not exit in time.
 
 from __future__ import annotations
 
-import base64
-import importlib
 import json
 import os
 import subprocess
@@ -21,6 +19,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from kvspec.protocols.wire import Envelope, resolve_type_path
 from kvspec.protocols import (
     ConnectorFactory,
     load_factory,
@@ -65,10 +64,10 @@ class WorkerGroup(Protocol):
         ...
 
 
-def _roundtrip(meta: ConnectorMetadata) -> str:
+def _roundtrip(meta: ConnectorMetadata) -> Envelope:
     try:
-        text = encode_meta(meta)
-        decode_meta(type(meta), text)
+        envelope = encode_meta(meta)
+        decode_meta(type(meta), envelope)
     except KVSpecError:
         raise
     except Exception as e:  # the connector's own codec failed
@@ -76,7 +75,7 @@ def _roundtrip(meta: ConnectorMetadata) -> str:
             "ERR-005", observed=f"{type(meta).__name__} failed to encode and decode: {e!r}",
             expected="metadata that decodes from its own encoding",
         ) from e
-    return text
+    return envelope
 
 
 class InProcessWorkers:
@@ -101,12 +100,10 @@ class InProcessWorkers:
         self.runtime.shutdown()
 
 
-def _import(spec: str) -> Any:
-    module, _, attr = spec.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _import(path: str, what: str) -> Any:
+    """The class a harness worker names (the harness's own processes run the factory the
+    user named: a path that does not resolve is kvspec's failure)."""
+    return resolve_type_path(path, what=what, error=HarnessError, clause=None)
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -140,9 +137,11 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
                 rt.shutdown()
                 _send(conn_out, {"ok": True, "leaked": _leaked_since(before)})
                 return
-            mt = meta_types.get(req["meta_type"]) or _import(req["meta_type"])
-            meta_types[req["meta_type"]] = mt
-            out, violations = rt.step(req["msg"], decode_meta(mt, req["meta"]))
+            envelope = Envelope.from_plain(req["meta"])
+            mt = meta_types.get(envelope.type_path) or _import(envelope.type_path,
+                                                               "metadata type")
+            meta_types[envelope.type_path] = mt
+            out, violations = rt.step(req["msg"], decode_meta(mt, envelope))
             custom = {}
             for field in ("stats", "worker_metadata"):
                 value = getattr(out, field)
@@ -181,7 +180,7 @@ def _verdict(exc: BaseException) -> dict[str, str] | None:
 
 def _encode_custom(value: Any, field: str) -> tuple[dict[str, str] | None, list[dict[str, str]]]:
     """A custom stats or worker-metadata value as plain data, by its own ``encode()`` (its
-    class decodes it with ``decode``): ``({"type", "data"}, [])``, or ``(None, [violation])``
+    class decodes it with ``decode``): ``(Envelope.to_plain(), [])``, or ``(None, [violation])``
     for a value without that codec, which cannot cross a process boundary (EVT-009)."""
     cls = type(value)
     encode, decode = getattr(value, "encode", None), getattr(cls, "decode", None)
@@ -200,17 +199,17 @@ def _encode_custom(value: Any, field: str) -> tuple[dict[str, str] | None, list[
             "observed": f"{cls.__qualname__}.encode() returned a {type(data).__name__}",
             "expected": "bytes",
         }]
-    return {"type": f"{cls.__module__}:{cls.__qualname__}",
-            "data": base64.b64encode(bytes(data)).decode()}, []
+    return Envelope.of(value, bytes(data)).to_plain(), []
 
 
 def _decode_custom(entry: Mapping[str, str], types: dict[str, Any]) -> Any:
     """Rebuild what ``_encode_custom`` wrote (the type comes from the harness's own
     worker process, running the factory the user named)."""
-    cls = types.get(entry["type"]) or _import(entry["type"])
-    types[entry["type"]] = cls
+    envelope = Envelope.from_plain(dict(entry))
+    cls = types.get(envelope.type_path) or _import(envelope.type_path, "custom value type")
+    types[envelope.type_path] = cls
     try:
-        return cls.decode(base64.b64decode(entry["data"]))
+        return cls.decode(envelope.data)
     except Exception as e:
         raise ContractViolation(
             "EVT-009", observed=f"{cls.__qualname__}.decode() failed on what its encode() "
@@ -294,9 +293,8 @@ class ProcessWorkers:
 
     def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> StepResult:
         """Send the step to every rank, then collect the outputs in rank order."""
-        text = _roundtrip(meta)
-        meta_type = f"{type(meta).__module__}:{type(meta).__qualname__}"
-        payload = json.dumps({"type": "step", "msg": msg, "meta": text, "meta_type": meta_type})
+        envelope = _roundtrip(meta)
+        payload = json.dumps({"type": "step", "msg": msg, "meta": envelope.to_plain()})
         for _, out in self.conns:
             out.send_bytes(payload.encode())
         outputs: list[KVConnectorOutput] = []

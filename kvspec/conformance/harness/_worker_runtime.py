@@ -13,7 +13,6 @@ attributed to the clause it breaks (see ``WorkerRuntime._attribute``).
 
 from __future__ import annotations
 
-import base64
 import functools
 import time
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvspec.protocols.wire import Envelope
 from kvspec.protocols import (
     CapabilityError,
     ConnectorFactory,
@@ -630,17 +630,17 @@ _WATCHED_WRITES = 64
 """Writes remembered per watched block."""
 
 
-def encode_meta(meta: ConnectorMetadata) -> str:
-    """Base64 text of the metadata's own encoding, for plain-data messages."""
+def encode_meta(meta: ConnectorMetadata) -> Envelope:
+    """The metadata's class and its own encoding, to cross a process boundary."""
     raw = meta.encode()
     if not isinstance(raw, bytes):
         raise MalformedMetadataError(
             f"{type(meta).__name__}.encode() returned {type(raw).__name__}, expected bytes",
             clause="ERR-005",
         )
-    return base64.b64encode(raw).decode()
+    return Envelope.of(meta, raw)
 
 
-def decode_meta(meta_type: type[ConnectorMetadata], text: str) -> ConnectorMetadata:
-    """Decode metadata from ``encode_meta``'s text with the connector's own decoder."""
-    return meta_type.decode(base64.b64decode(text))
+def decode_meta(meta_type: type[ConnectorMetadata], envelope: Envelope) -> ConnectorMetadata:
+    """Decode ``encode_meta``'s envelope with the connector's own decoder."""
+    return meta_type.decode(envelope.data)

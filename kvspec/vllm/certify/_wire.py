@@ -2,37 +2,34 @@
 
 vLLM hands a connector's ``KVConnectorMetadata`` from the scheduler to the workers by
 pickling it. kvspec's harness requires metadata that encodes to bytes and decodes with
-validation (ERR-005, ERR-006), so the wrapper carries vLLM's object in ``VllmMetadata``:
-the bytes are the metadata class's ``module:qualname`` and its fields in MessagePack
-(msgspec), decoded back into that class against the class's own type annotations (strict:
-a wrong type is an error, not a coercion). Tensors travel as dtype, shape and raw bytes.
-The bytes are decoded untyped first (MessagePack runs no code), then built into the
-annotated types field by field (``_build``), so unions msgspec's typed decoder refuses
-(vLLM's ``tuple[list[int], ...] | list[list[int]]``) work too.
+validation (ERR-005, ERR-006), so the wrapper carries vLLM's object in ``VllmMetadata``: an
+``Envelope`` of the metadata class's ``module:qualname`` and its fields in MessagePack
+(msgspec). The bytes are decoded untyped first (MessagePack runs no code), then converted
+with ``msgspec.convert`` against the types the class declares (strict: a wrong type is an
+error, not a coercion). Tensors travel as dtype, shape and raw bytes.
 
 Every object travels as a map tagged with its class (``"@class": "module:qualname"``), so a
 field declared as a base class decodes into the subclass it held (MultiConnector's tuple of
 its connectors' metadata). Decoding imports nothing and runs no ``__init__``: each tagged
 class must already be loaded in the decoding process (the connector's module loaded it),
 must be the declared type or a subclass of it (a ``KVConnectorMetadata`` at the top), and
-must be a dataclass of plain values, tensors and nested objects, or a plain class whose
-``__init__`` gives every attribute it sets a type: an annotation
-(``self.reqs: dict[str, ReqMeta] = {}``, as vLLM's ``NixlConnectorMetadata`` does) or an
-annotated parameter it stores (``self.ids = ids`` for ``ids: set[str]``, as
-``MooncakeStoreConnectorMetadata`` does; ``Any`` is no type: such a class is not carried).
-Its fields are decoded against those types.
+must be a dataclass (its fields decode against their annotations) or a plain class with an
+``__init__`` of its own. A plain class's attributes decode against the types the class
+declares: class-level annotations, or the annotation of the ``__init__`` parameter of the
+same name (``self.ids = ids`` for ``ids: set[str]``, as ``MooncakeStoreConnectorMetadata``
+does). An attribute declared ``Any`` says nothing to check against: such a class is not
+carried. An attribute without a declared type (``self.reqs: dict[str, ReqMeta] = {}`` in
+``__init__``, as vLLM's ``NixlConnectorMetadata`` does: an annotation Python does not keep)
+travels *described*: every container tagged with its kind, objects only as loaded
+dataclasses, so it decodes into exactly the value it was, without reading any source.
 """
 
 from __future__ import annotations
 
-import ast
 import collections.abc
 import dataclasses
 import enum
 import functools
-import inspect
-import sys
-import textwrap
 import types
 import typing
 from typing import Any
@@ -41,7 +38,14 @@ import msgspec
 import torch
 from typing_extensions import Self
 
-from kvspec.protocols import HarnessError, InvalidArgumentError, MalformedMetadataError
+from kvspec.protocols import (
+    Envelope,
+    HarnessError,
+    InvalidArgumentError,
+    MalformedMetadataError,
+    resolve_type_path,
+    type_path,
+)
 
 __all__ = ["VllmMetadata", "VllmWorkerMetadata", "carry_gap", "decode_value", "encode_value"]
 
@@ -51,22 +55,23 @@ _DTYPES = {
               torch.float16, torch.bfloat16, torch.float32, torch.float64)
 }
 
+_TAG = "@class"  # not an identifier: no field can be named so
+_DESCRIBED = "@described"  # a plain object's attributes without a declared type
 
-class _Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    kind: str
-    cls: str
-    body: msgspec.Raw
+
+def _tensor_plain(obj: torch.Tensor) -> list[Any]:
+    t = obj.detach().cpu().contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise InvalidArgumentError(f"a {t.dtype} tensor cannot be encoded; "
+                                   f"supported dtypes: {sorted(_DTYPES)}")
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return [name, list(t.shape), raw]
 
 
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        name = str(t.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
-            raise InvalidArgumentError(f"a {t.dtype} tensor cannot be encoded; "
-                                       f"supported dtypes: {sorted(_DTYPES)}")
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return [name, list(t.shape), raw]
+        return _tensor_plain(obj)
     raise TypeError(f"a {type(obj).__qualname__} is neither plain data nor a tensor")
 
 
@@ -90,125 +95,74 @@ def _tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
-_ATOMS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float, int), str: (str,),
-                                       bool: (bool,), bytes: (bytes,)}
+# ------------------------------------------------------------------ declared field types
+
+
+def loaded_class(path: str, base: type) -> type:
+    """The already-loaded subclass of ``base`` named ``module:qualname``; imports nothing.
+
+    Raises:
+        MalformedMetadataError: no such class is loaded, or it is not a ``base`` (ERR-005).
+    """
+    cls: type = resolve_type_path(path, what=f"{base.__qualname__} class", base=base,
+                                  loaded_only=True)
+    return cls
+
+
+def _refuse(cls: type) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{cls.__qualname__} cannot be encoded without pickle: it is neither a dataclass, "
+        "nor a class whose __init__ gives every attribute it sets a type (an annotation, "
+        "or an annotated parameter it stores)", clause="ERR-006")
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _build(value: Any, typ: Any, where: str) -> Any:
-    """Plain decoded data as ``typ``, checked all the way down (no coercion, no code run)."""
-    if typ is Any or typ is object:
-        if isinstance(value, dict) and isinstance(value.get(_TAG), str):
-            return _build_object(value, object, where)
-        return value
-    if isinstance(typ, typing.NewType):  # vLLM's BlockHash = NewType("BlockHash", bytes)
-        return _build(value, typ.__supertype__, where)
-    if typ is type(None) or typ is None:
-        if value is not None:
-            raise ValueError(f"{where}: expected None, got {type(value).__name__}")
-        return None
-    origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for member in args:
-            try:
-                return _build(value, member, where)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(f"{where}: matches no member of {typ}: {'; '.join(errors)}")
-    if typ in _ATOMS:
-        if not isinstance(value, _ATOMS[typ]) or (typ is int and isinstance(value, bool)):
-            raise ValueError(f"{where}: expected {typ.__name__}, got {type(value).__name__}")
-        return float(value) if isinstance(value, (int, float)) and typ is float else value
-    if typ is torch.Tensor:
-        return _tensor(value)
-    if origin in (list, set, frozenset, tuple, collections.abc.Sequence,
-                  collections.abc.Set) or typ in (list, set, tuple):
-        if not isinstance(value, list):
-            raise ValueError(f"{where}: expected an array, got {type(value).__name__}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ValueError(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_build(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        items = [_build(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-        kind = origin or typ
-        return {tuple: tuple, set: set, frozenset: frozenset,
-                collections.abc.Set: frozenset}.get(kind, list)(items)
-    if origin in (dict, collections.abc.Mapping) or typ is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a map, got {type(value).__name__}")
-        kt, vt = args or (Any, Any)
-        return {_build(k, kt, f"{where} key"): _build(v, vt, f"{where}[{k!r}]")
-                for k, v in value.items()}
-    if isinstance(typ, type) and issubclass(typ, enum.Enum):
-        try:
-            return typ(value)
-        except ValueError:
-            raise ValueError(f"{where}: {value!r} is not a {typ.__qualname__}") from None
-    if typing.get_origin(typ) is typing.Literal:
-        if value not in args:
-            raise ValueError(f"{where}: {value!r} is not one of {args}")
-        return value
-    if isinstance(typ, type):
-        return _build_object(value, typ, where)
-    raise ValueError(f"{where}: the wrapper cannot decode a {typ!r}")
-
-
-def _build_object(value: Any, typ: type, where: str) -> Any:
-    """A map ``_plain`` tagged with its class, as an instance of that class, which must be
-    loaded already and be ``typ`` or a subclass of it; its fields are built against the
-    class's own field types, and no ``__init__`` runs."""
-    if not isinstance(value, dict) or not isinstance(value.get(_TAG), str):
-        raise ValueError(f"{where}: expected a {typ.__qualname__} object, got "
-                         f"{type(value).__name__}")
-    try:
-        cls = loaded_class(value[_TAG], typ)
-        fields = _fields(cls)
-    except (MalformedMetadataError, InvalidArgumentError) as e:
-        raise ValueError(f"{where}: {e.message}") from None
-    body = {k: v for k, v in value.items() if k != _TAG}
-    if set(body) != set(fields):
-        raise ValueError(f"{where}: {cls.__qualname__} fields {sorted(body)}; expected "
-                         f"{sorted(fields)}")
-    obj: Any = object.__new__(cls)
-    for k, t in fields.items():
-        object.__setattr__(obj, k, _build(body[k], t, f"{where}.{k}"))
-    return obj
-
-
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-
-
-_TAG = "@class"  # not an identifier: no field can be named so
-
-
-def _fields(cls: type, value: object | None = None) -> dict[str, Any]:
-    """``{field: type}`` of a dataclass or of a plain class (``_init_annotations``); with
-    ``value``, checked to be exactly the attributes it holds.
+def _declared(cls: type) -> tuple[bool, dict[str, Any]]:
+    """``(is a dataclass, {field: declared type})``: a dataclass's fields, or what a plain
+    class declares (class-level annotations, annotated ``__init__`` parameters).
 
     Raises:
-        InvalidArgumentError: the class has no field types kvspec can read."""
+        InvalidArgumentError: the class cannot be carried (ERR-006)."""
     if dataclasses.is_dataclass(cls):
-        hints = _hints(cls)
-        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-    fields = _init_annotations(cls)
-    if fields is None or (value is not None and set(fields) != set(vars(value))):
-        raise InvalidArgumentError(
-            f"{cls.__qualname__} cannot be encoded without pickle: it is neither a dataclass, "
-            "nor a class whose __init__ gives every attribute it sets a type (an annotation, "
-            "or an annotated parameter it stores)", clause="ERR-006")
-    return fields
+        hints = typing.get_type_hints(cls)
+        return True, {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    init = cls.__dict__.get("__init__")
+    if init is None or "__slots__" in cls.__dict__:
+        raise _refuse(cls)
+    try:
+        declared = {k: t for k, t in typing.get_type_hints(cls).items()
+                    if typing.get_origin(t) is not typing.ClassVar}
+        declared.update((k, t) for k, t in typing.get_type_hints(init).items() if k != "return")
+    except Exception:  # annotations that do not resolve: nothing to check against
+        raise _refuse(cls) from None
+    return False, declared
+
+
+def _conforms(value: object, typ: Any) -> bool:
+    """Whether ``value`` is, at its outermost level, what ``typ`` declares."""
+    if isinstance(typ, typing.NewType):
+        typ = typ.__supertype__
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, t) for t in typing.get_args(typ))
+    if typ is type(None) or typ is None:
+        return value is None
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is typing.Literal:
+        return value in typing.get_args(typ)
+    outer = origin or typ
+    return isinstance(outer, type) and isinstance(value, outer)
+
+
+# ----------------------------------------------------------------------------- encoding
 
 
 def _plain(value: Any) -> Any:
-    """``value`` as MessagePack-ready data: every object a map tagged with its class (so a
-    field declared as a base class, like MultiConnector's tuple of its connectors'
-    metadata, decodes into the subclass it held), containers as arrays or maps."""
+    """``value`` as MessagePack-ready data, for a position whose type is declared: every
+    object a map tagged with its class, containers as arrays or maps."""
     if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
         return value
     if isinstance(value, enum.Enum):
@@ -217,12 +171,55 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {_plain(k): _plain(v) for k, v in value.items()}
-    cls = type(value)
+    return _object(value)
+
+
+def _object(value: Any) -> dict[Any, Any]:
+    cls: type = type(value)
     if cls.__module__ == "builtins":
         raise TypeError(f"a {cls.__qualname__} is neither plain data nor a tensor")
-    out = {_TAG: f"{cls.__module__}:{cls.__qualname__}"}
-    out.update({k: _plain(getattr(value, k)) for k in _fields(cls, value)})
+    is_dataclass, declared = _declared(cls)
+    out: dict[Any, Any] = {_TAG: type_path(cls)}
+    if is_dataclass:
+        out.update({k: _plain(getattr(value, k)) for k in declared})
+        return out
+    described: dict[str, Any] = {}
+    for k, v in vars(value).items():
+        typ = declared.get(k)
+        if typ is Any or typ is object:
+            raise _refuse(cls)
+        if typ is not None and _conforms(v, typ):
+            out[k] = _plain(v)
+        else:
+            described[k] = _describe(v)
+    if described:
+        out[_DESCRIBED] = described
     return out
+
+
+def _describe(value: Any) -> Any:
+    """``value`` as data that says what it is (no declared type to decode it against):
+    tuples, sets, maps, tensors, enums and objects tagged; objects only dataclasses."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return {"@tensor": _tensor_plain(value)}
+    if isinstance(value, enum.Enum):
+        return {"@enum": [type_path(value), value.value]}
+    if isinstance(value, list):
+        return [_describe(v) for v in value]
+    for kind in (tuple, set, frozenset):
+        if isinstance(value, kind):
+            return {f"@{kind.__name__}": [_describe(v) for v in value]}
+    if isinstance(value, dict):
+        return {"@dict": [[_describe(k), _describe(v)] for k, v in value.items()]}
+    if not dataclasses.is_dataclass(value):
+        raise TypeError(f"a {type(value).__qualname__} in an attribute without a declared "
+                        "type is neither plain data, a tensor nor a dataclass")
+    return _object(value)
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
 def encode_value(value: object) -> bytes:
@@ -238,6 +235,168 @@ def encode_value(value: object) -> bytes:
         ) from e
 
 
+# ----------------------------------------------------------------------------- decoding
+
+
+class _MarkerType(type):
+    """Instances of a marker are what ``_dec_hook`` builds for it: msgspec checks so."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        target = getattr(cls, "target", None)
+        return not isinstance(target, type) or isinstance(obj, target)
+
+
+class _Marker(metaclass=_MarkerType):
+    """A type msgspec does not know, standing for what ``_dec_hook`` builds itself."""
+
+    target: Any = None
+
+
+class _ObjectOf(_Marker):
+    """An object tagged with its class, which must be ``target`` or a subclass of it."""
+
+
+class _UnionOf(_Marker):
+    """A union msgspec cannot convert in one pass: each member is tried in turn."""
+
+
+class _AnyValue(_Marker):
+    """``Any``: the value as it is, or the object its tag names."""
+
+
+@functools.cache
+def _marker(kind: type[_Marker], target: Any) -> type[_Marker]:
+    return type(f"{kind.__name__}[{target!r}]", (kind,), {"target": target})
+
+
+_ABSTRACT = {collections.abc.Sequence: list, collections.abc.MutableSequence: list,
+             collections.abc.Set: frozenset, collections.abc.MutableSet: set,
+             collections.abc.Mapping: dict, collections.abc.MutableMapping: dict}
+_NATIVE = (int, float, str, bool, bytes, type(None))
+
+
+@functools.cache
+def _schema(typ: Any) -> Any:
+    """``typ`` as msgspec converts it: classes (other than tensors, enums and plain data)
+    and unions msgspec refuses replaced by markers that ``_dec_hook`` builds."""
+    if typ is Any or typ is object:
+        return _marker(_AnyValue, None)
+    if isinstance(typ, typing.NewType):
+        return _schema(typ.__supertype__)
+    if typ is None or typ in _NATIVE or typ is torch.Tensor:
+        return typ
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        members = tuple(_schema(a) for a in args)
+        union = functools.reduce(lambda a, b: typing.Union[a, b], members)
+        try:
+            msgspec.convert(None, union)
+        except msgspec.ValidationError:
+            pass
+        except TypeError:  # a union msgspec does not convert: try the members in turn
+            return _marker(_UnionOf, members)
+        return union
+    if origin is typing.Literal:
+        return typ
+    if origin is not None:
+        outer = _ABSTRACT.get(origin, origin)
+        if outer is tuple and args and args[-1] is Ellipsis:
+            return tuple[_schema(args[0]), ...]  # type: ignore[misc]
+        if outer in (list, set, frozenset, tuple, dict):
+            return outer[tuple(_schema(a) for a in args)]
+        raise ValueError(f"the wrapper cannot decode a {typ!r}")
+    if typ in _ABSTRACT or typ in (list, set, frozenset, tuple, dict):
+        return _ABSTRACT.get(typ, typ)
+    if isinstance(typ, type) and issubclass(typ, enum.Enum):
+        return typ
+    if isinstance(typ, type):
+        return _marker(_ObjectOf, typ)
+    raise ValueError(f"the wrapper cannot decode a {typ!r}")
+
+
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if typ is torch.Tensor:
+        return _tensor(obj)
+    if issubclass(typ, _ObjectOf):
+        return _build_object(obj, typ.target)
+    if issubclass(typ, _UnionOf):
+        errors = []
+        for member in typ.target:
+            try:
+                return _convert(obj, member)
+            except (msgspec.ValidationError, ValueError) as e:
+                errors.append(str(e))
+        raise ValueError(f"matches no member of the union: {'; '.join(errors)}")
+    if issubclass(typ, _AnyValue):
+        if isinstance(obj, dict) and isinstance(obj.get(_TAG), str):
+            return _build_object(obj, object)
+        return obj
+    raise ValueError(f"the wrapper cannot decode a {typ.__qualname__}")  # pragma: no cover
+
+
+def _convert(value: Any, schema: Any) -> Any:
+    return msgspec.convert(value, schema, strict=True, dec_hook=_dec_hook,
+                           builtin_types=(bytes, bytearray))
+
+
+def _build_object(value: Any, base: type) -> Any:
+    """A map ``_object`` wrote, as an instance of the class it names, which must be loaded
+    already and be ``base`` or a subclass of it; no ``__init__`` runs."""
+    if not isinstance(value, dict) or not isinstance(value.get(_TAG), str):
+        raise ValueError(f"expected a {base.__qualname__} object, got {type(value).__name__}")
+    cls = loaded_class(value[_TAG], base)
+    try:
+        is_dataclass, declared = _declared(cls)
+    except InvalidArgumentError as e:
+        raise ValueError(e.message) from None
+    body = {k: v for k, v in value.items() if k != _TAG}
+    described = body.pop(_DESCRIBED, {}) if not is_dataclass else {}
+    if (set(body) != set(declared)) if is_dataclass else not set(body) <= set(declared):
+        raise ValueError(f"{cls.__qualname__} fields {sorted(map(str, body))}; expected "
+                         f"{sorted(declared)}")
+    if not isinstance(described, dict) or not all(
+            isinstance(k, str) and k.isidentifier() and not k.startswith("__")
+            and k not in body for k in described):
+        raise ValueError(f"{cls.__qualname__}: malformed attributes without a declared type")
+    obj: Any = object.__new__(cls)
+    for k, v in body.items():
+        object.__setattr__(obj, k, _convert(v, _schema(declared[k])))
+    for k, v in described.items():
+        object.__setattr__(obj, k, _undescribe(v))
+    return obj
+
+
+_KINDS: dict[str, Any] = {"@tuple": tuple, "@set": set, "@frozenset": frozenset}
+
+
+def _undescribe(value: Any) -> Any:
+    """What ``_describe`` wrote, as the value it was."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, list):
+        return [_undescribe(v) for v in value]
+    if not isinstance(value, dict):
+        raise ValueError(f"not a described value: {type(value).__name__}")
+    if _TAG in value:
+        cls = loaded_class(value[_TAG], object) if isinstance(value[_TAG], str) else None
+        if cls is None or not dataclasses.is_dataclass(cls):
+            raise ValueError(f"{value[_TAG]!r:.80} is not a dataclass")
+        return _build_object(value, cls)
+    if len(value) != 1:
+        raise ValueError(f"not a described value: a map of {len(value)} keys")
+    ((kind, items),) = value.items()
+    if kind in _KINDS and isinstance(items, list):
+        return _KINDS[kind](_undescribe(v) for v in items)
+    if kind == "@dict" and isinstance(items, list) and all(
+            isinstance(p, list) and len(p) == 2 for p in items):
+        return {_undescribe(k): _undescribe(v) for k, v in items}
+    if kind == "@tensor":
+        return _tensor(items)
+    if kind == "@enum" and isinstance(items, list) and len(items) == 2:
+        return loaded_class(items[0], enum.Enum)(items[1])
+    raise ValueError(f"not a described value: {kind!r:.40}")
+
+
 def decode_value(data: bytes, typ: Any) -> Any:
     """Decode ``encode_value``'s bytes as ``typ``, strictly.
 
@@ -247,63 +406,11 @@ def decode_value(data: bytes, typ: Any) -> Any:
     try:
         if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
             return msgspec.msgpack.decode(data, type=typ)
-        return _build(msgspec.msgpack.decode(data), typ, "metadata")
+        return _convert(msgspec.msgpack.decode(data), _schema(typ))
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError,
             RecursionError) as e:
         raise MalformedMetadataError(f"not a {getattr(typ, '__qualname__', typ)}: {e}",
                                      clause="ERR-005") from None
-
-
-def loaded_class(path: str, base: type) -> type:
-    """The already-loaded subclass of ``base`` named ``module:qualname``; imports nothing.
-
-    Raises:
-        MalformedMetadataError: no such class is loaded, or it is not a ``base``.
-    """
-    module, _, qualname = path.partition(":")
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split(".") if obj is not None and qualname else ():
-        obj = getattr(obj, part, None)
-    if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise MalformedMetadataError(
-            f"{path!r} is not a loaded {base.__qualname__} subclass; the decoding process "
-            "decodes only classes its connector module already loaded", clause="ERR-005")
-    return obj
-
-
-@functools.cache
-def _init_annotations(cls: type) -> dict[str, Any] | None:
-    """``{attribute: type}`` of a plain class, from its ``__init__``: ``self.x: T = ...``,
-    and ``self.x = p`` for a parameter ``p: T``; None when an attribute ``__init__`` sets
-    has no type that way or its source is unreadable."""
-    init = cls.__dict__.get("__init__")
-    if init is None or "__slots__" in cls.__dict__:
-        return None
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
-        params = typing.get_type_hints(init)
-    except Exception:  # unreadable source, or annotations that do not resolve
-        return None
-    scope = vars(sys.modules[cls.__module__])
-    out: dict[str, Any] = {}
-    for node in ast.walk(tree):
-        target = node.target if isinstance(node, ast.AnnAssign) else (
-            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                and target.value.id == "self"):
-            continue
-        if isinstance(node, ast.AnnAssign):
-            try:
-                out[target.attr] = eval(  # noqa: S307 - the class's own source text
-                    compile(ast.Expression(node.annotation), "<annotation>", "eval"), scope)
-            except Exception:
-                return None
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) \
-                and params.get(node.value.id, Any) is not Any and target.attr not in out:
-            out[target.attr] = params[node.value.id]  # ``Any`` says nothing to check against
-        elif target.attr not in out:
-            return None
-    return out
 
 
 def _metadata_payload(value: object) -> bytes:
@@ -329,7 +436,6 @@ class VllmMetadata:
     """
 
     __slots__ = ("value",)
-    _KIND = "vllm-metadata"
 
     def __init__(self, value: object) -> None:
         self.value = value
@@ -367,8 +473,7 @@ class VllmMetadata:
         except MalformedMetadataError as e:
             raise HarnessError(f"kvspec's codec encoded a {cls.__qualname__} it cannot decode "
                                f"({e.message}); vLLM pickles it") from e
-        return _ENCODER.encode(_Envelope(self._KIND, f"{cls.__module__}:{cls.__qualname__}",
-                                         msgspec.Raw(payload)))
+        return Envelope.of(cls, payload).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
@@ -377,15 +482,9 @@ class VllmMetadata:
         Raises:
             MalformedMetadataError: anything ``encode`` did not write (ERR-005).
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise MalformedMetadataError(f"vLLM metadata must be bytes, got {type(data).__name__}",
-                                         clause="ERR-005")
-        env = decode_value(bytes(data), _Envelope)
-        if env.kind != cls._KIND:
-            raise MalformedMetadataError(f"kind is {env.kind!r}; expected {cls._KIND!r}",
-                                         clause="ERR-005")
-        typ = loaded_class(env.cls, cls._base())
-        return cls(_metadata_value(typ, bytes(env.body)))
+        envelope = Envelope.decode(data)
+        typ = loaded_class(envelope.type_path, cls._base())
+        return cls(_metadata_value(typ, envelope.data))
 
 
 class VllmWorkerMetadata(VllmMetadata):
@@ -398,7 +497,6 @@ class VllmWorkerMetadata(VllmMetadata):
     """
 
     __slots__ = ()
-    _KIND = "vllm-worker-metadata"
 
     @staticmethod
     def _base() -> type:

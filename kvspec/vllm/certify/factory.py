@@ -27,7 +27,6 @@ What the translation cannot carry, by design:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import gc
 import importlib
@@ -51,6 +50,7 @@ from kvspec.protocols import (
     ConnectorMetadata,
     ContractViolation,
     EngineConfigView,
+    Envelope,
     ForwardContextView,
     GroupKind,
     HandshakeMetadata,
@@ -537,8 +537,7 @@ def _wrap_handshake(value: Any, engine_id: str, rank: int, layout: KVCacheLayout
         engine_id=engine_id, rank=rank, spec_version=SPEC_VERSION,
         layout={"order": layout.order.value, "packing": layout.packing.value,
                 "dtype": str(layout.dtype).removeprefix("torch."), "block_size": layout.block_size},
-        payload={"cls": f"{cls.__module__}:{cls.__qualname__}",
-                 "data": base64.b64encode(data).decode()})
+        payload=Envelope.of(cls, data).to_plain())
 
 
 def _unwrap_handshake(hs: HandshakeMetadata | None) -> Any:
@@ -546,16 +545,9 @@ def _unwrap_handshake(hs: HandshakeMetadata | None) -> Any:
 
     if hs is None:
         return None
-    cls, data = hs.payload.get("cls"), hs.payload.get("data")
-    if not isinstance(cls, str) or not isinstance(data, str):
-        raise MalformedMetadataError(
-            f"rank {hs.rank}'s handshake payload lacks the vLLM 'cls' and 'data' strings",
-            clause="HSK-005")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError as e:
-        raise MalformedMetadataError(f"handshake data is not base64: {e}", clause="HSK-005") from None
-    return decode_value(raw, loaded_class(cls, KVConnectorHandshakeMetadata))
+    envelope = Envelope.from_plain(dict(hs.payload), clause="HSK-005")
+    return decode_value(envelope.data,
+                        loaded_class(envelope.type_path, KVConnectorHandshakeMetadata))
 
 
 class _VllmWorker(WorkerConnector):
