@@ -23,13 +23,15 @@ process of its own. Commands:
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import sys
 import tempfile
 import traceback
 from typing import Any
+
+from ..protocols.errors import HarnessError
+from ..protocols.wire import resolve_type_path
 
 MARK = "KVSPEC-RESULT "
 
@@ -136,8 +138,8 @@ def main() -> int:
             if op == "generate":
                 _answer(_generate(llm, cmd))
             elif op == "call":
-                module, _, name = cmd["fn"].partition(":")
-                fn = getattr(importlib.import_module(module), name)
+                fn = resolve_type_path(cmd["fn"], what="engine call", error=HarnessError,
+                                       clause=None)
                 _answer({"value": fn(llm, **cmd.get("args", {}))})
             elif op == "overhead":
                 _answer({"value": _overhead()})

@@ -11,7 +11,6 @@ public face: it re-exports the API types and holds ``make_capturer``, which pick
 from __future__ import annotations
 
 import abc
-import importlib
 import os
 import sys
 import threading
@@ -30,6 +29,7 @@ from ...protocols.errors import (
     InvalidArgumentError,
     KVSpecError,
 )
+from ...protocols.wire import resolve_type_path
 
 __all__ = [
     "DATA_DEPENDENT_SHAPE_OPS",
@@ -370,14 +370,10 @@ class CheckingDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _resolve(path: str) -> Any:
-    module, _, attr = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        try:
-            return importlib.import_module(path)
-        except ImportError:
-            return None
+        return resolve_type_path(path, allow_dotted=True)
+    except KVSpecError:
+        return None
 
 
 def _guarded(original: Callable[..., Any], label: str, thread: int) -> Callable[..., Any]:
