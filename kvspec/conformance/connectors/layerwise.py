@@ -3,6 +3,7 @@
 It keeps blocks in the shared-storage connector's store (``.storage``) but moves them layer
 by layer, inside the forward, with device work only (``HookGraphMode.CAPTURABLE``), on
 buffers allocated once (``persistent_buffers``, GRA-005) and filled at binding (GRA-007).
+A stored block, from hook to file:
 
 1. ``LayerwiseStorageScheduler.build_connector_meta`` plans the saves of the prompt blocks the
    step fills (at most ``max_blocks_per_step``, ``S``);
@@ -37,9 +38,8 @@ import torch
 from kvspec.protocols import (
     AllocatedBlocks, BlockStored, Capabilities, ConnectorFactory, ConnectorMetadata,
     ConnectorStats, EngineConfigView, FailureReporting, ForwardContextView, HookGraphMode,
-    InvalidArgumentError, KVCacheLayout, KVConnectorOutput, KVSpecError,
-    MetadataSlot, RequestView, SchedulerConnector, SchedulerOutputView, SupportsAggregate,
-    UnknownRequestError, WorkerConnector,
+    InvalidArgumentError, KVCacheLayout, KVConnectorOutput, KVSpecError, MetadataSlot,
+    RequestView, SchedulerConnector, SchedulerOutputView, SupportsAggregate, WorkerConnector,
 )
 
 from .shared_storage import SharedStorageScheduler
@@ -93,24 +93,20 @@ class LayerwiseMetadata(msgspec.Struct, frozen=True):
         if not isinstance(self.dummy, bool):
             raise InvalidArgumentError(f"dummy must be a bool, got {self.dummy!r}")
         if self.dummy and (self.loads or self.saves):
-            raise InvalidArgumentError("dummy metadata must describe no transfer",
-                                       clause="DRY-006")
+            raise InvalidArgumentError("dummy metadata names a transfer", clause="DRY-006")
 
     @property
-    def is_empty(self) -> bool:
-        """True when the metadata describes no transfer."""
+    def is_empty(self) -> bool:  # no transfer
         return not (self.loads or self.saves)
 
     def encode(self) -> bytes:
         """Encode as UTF-8 JSON (ERR-006)."""
         return msgspec.json.encode({"kind": "kvspec.layerwise_storage", "version": 1,
-                                    "loads": self.loads, "saves": self.saves,
-                                    "dummy": self.dummy})
+                                    "loads": self.loads, "saves": self.saves, "dummy": self.dummy})
 
     @classmethod
     def decode(cls, data: bytes) -> LayerwiseMetadata:
-        """Decode and validate bytes from ``encode``; MalformedMetadataError (ERR-005) for
-        anything else."""
+        """Decode bytes from ``encode``; MalformedMetadataError for anything else (ERR-005)."""
         return decode_metadata(data, _Wire, "layerwise-storage metadata",
                                lambda w: cls(w.loads, w.saves, w.dummy))
 
@@ -126,16 +122,11 @@ class LayerwiseStorageScheduler(SharedStorageScheduler):
     def __init__(self, config: EngineConfigView) -> None:
         super().__init__(config)
         self._max_blocks = LayerwiseSettings.from_config(config).max_blocks_per_step
-        self._views: dict[str, RequestView] = {}
+        self._views: dict[str, RequestView] = {}  # of the requests scheduled
         self._block_ids: dict[str, list[int]] = {}
         self._save_from: dict[str, int] = {}  # next block index whose save is considered
         self._planned: list[_Load] = []  # loads for the next metadata
         self._steps: collections.deque[_Step] = collections.deque()  # awaiting their output
-
-    def on_new_request(self, request: RequestView) -> None:
-        """Remember the request and its view (SCH-028)."""
-        super().on_new_request(request)
-        self._views[request.request_id] = request
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
@@ -143,16 +134,14 @@ class LayerwiseStorageScheduler(SharedStorageScheduler):
         """Return ``(n, False)``: the base's match, synchronous (loads complete in the step's
         forward, SCH-004), capped so that the step's loads fit ``S`` blocks."""
         count, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if count is None:
-            return None, False
         room = max(0, self._max_blocks - len(self._planned)) * self._block_size
-        return min(count, room), False
+        return (None if count is None else min(count, room)), False
 
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
     ) -> None:
-        """Remember the request's blocks; plan a load of the external tokens' blocks into
-        the next metadata (SCH-008..010); InvalidArgumentError if they exceed ``S``."""
+        """Plan a load of the external tokens' blocks into the next metadata (SCH-008..010);
+        InvalidArgumentError if they exceed ``S``."""
         rid, n = request.request_id, num_external_tokens
         start = self._asked.get(rid, request.num_computed_tokens)
         if len(self._planned) + -(-n // self._block_size) > self._max_blocks:
@@ -161,8 +150,6 @@ class LayerwiseStorageScheduler(SharedStorageScheduler):
                 f"(max_blocks_per_step={self._max_blocks})", clause="SCH-010")
         before = len(self._pending_loads)
         super().update_state_after_alloc(request, blocks, n)
-        self._views[rid] = request
-        self._block_ids[rid] = list(blocks.block_ids(0))
         if len(self._pending_loads) > before:
             job = self._pending_loads.pop()
             self._loading.pop(rid, None)  # synchronous: complete when the step's forward is
@@ -181,7 +168,7 @@ class LayerwiseStorageScheduler(SharedStorageScheduler):
         self._planned = [p for p in self._planned if p[0] != rid]
         return False, None
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, rid: str) -> None:  # its blocks: preempted or finished
         self._block_ids.pop(rid, None)
         self._save_from.pop(rid, None)
 
@@ -195,21 +182,19 @@ class LayerwiseStorageScheduler(SharedStorageScheduler):
             self._forget(rid)
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
-            rid = new.request_id
-            self._views[rid] = new.request
-            self._block_ids[rid] = list(new.blocks.block_ids(0))
-            self._save_from[rid] = new.num_computed_tokens // bs
-            computed[rid] = new.num_computed_tokens
-        for cached in out.scheduled_cached_reqs:
-            rid = cached.request_id
-            ids = cached.new_blocks.block_ids(0)
-            if cached.resumed_from_preemption or rid not in self._block_ids:
-                self._block_ids[rid] = list(ids)
-                self._save_from[rid] = cached.num_computed_tokens // bs
+            self._views[new.request_id] = new.request
+        for rid, nc, ids, fresh in (
+            *((n.request_id, n.num_computed_tokens, n.blocks.block_ids(0), True)
+              for n in out.scheduled_new_reqs),
+            *((c.request_id, c.num_computed_tokens, c.new_blocks.block_ids(0),
+               c.resumed_from_preemption) for c in out.scheduled_cached_reqs),
+        ):
+            if fresh or rid not in self._block_ids:  # new, resumed: all its blocks
+                self._block_ids[rid], self._save_from[rid] = list(ids), nc // bs
             else:
                 self._block_ids[rid].extend(ids)
-                self._save_from.setdefault(rid, cached.num_computed_tokens // bs)
-            computed[rid] = cached.num_computed_tokens
+                self._save_from.setdefault(rid, nc // bs)
+            computed[rid] = nc
         loads, self._planned = tuple(self._planned), []
         saves, events = self._plan_saves(out, computed)
         keys = tuple(k for _, k in saves)
@@ -284,7 +269,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @attrs.frozen(eq=False)
 class _SlotViews:
     """Fixed views for one layer storage, built at registration (no per-call Python)."""
-
     slot: int  # the storage's index along the layout's L dim (LAY-011)
     kv: torch.Tensor  # the layer tensor, as integers
     load_src: torch.Tensor  # the load staging of this storage, laid out like kv along dim
@@ -324,17 +308,16 @@ class LayerwiseStorageWorker(WorkerConnector):
                 "register_kv_caches called twice (or after shutdown); expected exactly one "
                 "registration per worker", clause="WRK-001")
         kv = KVBlocks(kv_caches, layout)
-        seen: set[int] = set()
         for name, slot in zip(kv_caches, layout.layer_slots):  # the first layer moves
-            self._moves[name] = None if slot in seen else slot
-            seen.add(slot)
-        s, device = self._max_blocks, kv.tensors[0].device
-        buf = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape, dtype in (
-            ("load_idx", s, torch.int64), ("load_mask", s, torch.bool), ("save_idx", s, torch.int64),
-            ("load_staging", (s, *kv.shape), kv.dtype), ("save_staging", (s, *kv.shape), kv.dtype))}
+            self._moves[name] = None if slot in self._moves.values() else slot
+        s, staged, dev = self._max_blocks, (self._max_blocks, *kv.shape), kv.tensors[0].device
+        buf = {name: torch.zeros(shape, dtype=dtype, device=dev) for name, shape, dtype in (
+            ("load_idx", s, torch.int64), ("load_mask", s, torch.bool),
+            ("save_idx", s, torch.int64), ("load_staging", staged, kv.dtype),
+            ("save_staging", staged, kv.dtype))}
         mask = buf["load_mask"].view((1, s, 1, 1, 1) if kv.split else (s, 1, 1, 1))
         for slot, tensor in enumerate(kv.tensors):
-            load_src, save_dst = _bits(buf["load_staging"][:, slot]), _bits(buf["save_staging"][:, slot])
+            load_src, save_dst = (_bits(buf[f"{d}_staging"][:, slot]) for d in ("load", "save"))
             if kv.split:  # staging rows are (2, H, N, D) blocks; the layer is (2, B, H, N, D)
                 load_src, save_dst = load_src.movedim(0, 1), save_dst.movedim(0, 1)
             self._views.append(_SlotViews(slot, _bits(tensor), load_src, save_dst, mask))
@@ -343,9 +326,8 @@ class LayerwiseStorageWorker(WorkerConnector):
 
     @property
     def persistent_buffers(self) -> Mapping[str, torch.Tensor]:
-        """The buffers the captured hooks use (GRA-005): ``load_idx``, ``save_idx`` (int64
-        ``[S]``), ``load_mask`` (bool ``[S]``), ``load_staging``, ``save_staging`` (``S``
-        blocks); allocated once at registration, updated in place, empty after shutdown."""
+        """The hooks' buffers (GRA-005): ``load_idx``, ``save_idx`` (int64 ``[S]``),
+        ``load_mask`` (bool ``[S]``), ``load_staging``, ``save_staging`` (``S`` blocks)."""
         return dict(self._buf)
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
@@ -405,13 +387,11 @@ class LayerwiseStorageWorker(WorkerConnector):
         return LayerwiseMetadata(dummy=True)
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
-        """Nothing to start: the loads' bytes are staged at binding and land layer by layer
-        in ``wait_for_layer_load`` (WRK-004). MetadataNotBoundError if none is bound."""
+        """Nothing to start: the loads are staged at binding (WRK-004); DRY-001 checked."""
         self._slot.get("start_load_kv")
 
     def _slot_views(self, layer_name: str, hook: str) -> _SlotViews | None:
-        """The views ``layer_name`` moves, or None for a layer sharing an earlier layer's
-        storage. Depends only on the registration, never on the step (GRA-004)."""
+        """The views ``layer_name`` moves (None: it shares an earlier layer's storage)."""
         self._slot.get(hook)
         if not self._buf:
             raise InvalidArgumentError(
@@ -438,16 +418,14 @@ class LayerwiseStorageWorker(WorkerConnector):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, forward_context: ForwardContextView
     ) -> None:
-        """Stage the blocks to save from ``kv_layer`` (WRK-006): one gather of fixed shape
-        into the persistent save staging, capturable (GRA-004, GRA-005).
-        InvalidArgumentError if ``kv_layer`` is not shaped like the registered layer."""
+        """Stage the blocks to save from ``kv_layer`` (WRK-006): one fixed-shape gather into
+        the save staging, capturable (GRA-004); ``kv_layer`` is shaped like the layer's."""
         views = self._slot_views(layer_name, "save_kv_layer")
         if views is None:
             return
         if kv_layer.shape != views.kv.shape:
-            raise InvalidArgumentError(
-                f"save_kv_layer({layer_name!r}): kv_layer must be the layer's registered "
-                f"tensor of shape {tuple(views.kv.shape)}", clause="WRK-006")
+            raise InvalidArgumentError(f"save_kv_layer({layer_name!r}): kv_layer is not of the "
+                                       f"layer's shape {tuple(views.kv.shape)}", clause="WRK-006")
         views.save_dst.copy_(_bits(kv_layer).index_select(self._dim, self._buf["save_idx"]))
 
     def wait_for_save(self) -> None:
@@ -482,8 +460,7 @@ class LayerwiseStorageWorker(WorkerConnector):
         """Drop every reference to the KV caches and the buffers; idempotent (WRK-015)."""
         self._closed = True
         self._slot.clear()
-        self._kv, self._views, self._buf = None, [], {}
-        self._save_keys = ()
+        self._kv, self._views, self._buf, self._save_keys = None, [], {}, ()
         self._errors.clear()
 
     def _count(self, name: str, n: int) -> None:

@@ -226,7 +226,7 @@ class SharedStorageScheduler(SchedulerConnector):
         entry = (request.kv_transfer_params or {}).get(HANDOFF_PARAM)
         blocks = entry.get("blocks") if isinstance(entry, Mapping) else None
         ok = isinstance(blocks, int) and not isinstance(blocks, bool) and blocks >= 0
-        return blocks if ok else None  # type: ignore[return-value]
+        return blocks if ok else None
 
     def _deferred(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
         """True while the match waits (SCH-002): a handed-off request's announced blocks are

@@ -276,11 +276,11 @@ def stored_events(
 
 def marked_events(events: Iterable[BlockStored], marked: set[str]) -> list[BlockStored]:
     """``events`` cut down to the blocks in ``marked``: one event per run of them."""
-    out = []
+    out, done = [], {bytes.fromhex(key) for key in marked}
     for event in events:
         hashes, bs, start = list(event.block_hashes), event.block_size, 0
         for end in range(len(hashes) + 1):
-            if end < len(hashes) and hashes[end].hex() in marked:
+            if end < len(hashes) and hashes[end] in done:
                 continue
             if end > start:
                 out.append(attrs.evolve(
@@ -293,7 +293,9 @@ def marked_events(events: Iterable[BlockStored], marked: set[str]) -> list[Block
 
 def removed_event(keys: list[str]) -> list[BlockRemoved]:
     """A ``BlockRemoved`` of ``keys``, if any."""
-    return [BlockRemoved(block_hashes=[bytes.fromhex(k) for k in keys], medium=MEDIUM)] if keys else []
+    if not keys:
+        return []
+    return [BlockRemoved(block_hashes=[bytes.fromhex(k) for k in keys], medium=MEDIUM)]
 
 
 # ------------------------------------------------------------------------------ block files
@@ -406,7 +408,8 @@ class KVBlocks:
                 self.block(tensor, block).copy_(part)
             return
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.tensors[0].device)  # type: ignore[no-untyped-call]
+            device = self.tensors[0].device
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(self._stream):
             for tensor, part in zip(self.tensors, src):
                 self.block(tensor, block).copy_(part)
