@@ -96,7 +96,8 @@ class LayerwiseMetadata(msgspec.Struct, frozen=True):
             raise InvalidArgumentError("dummy metadata names a transfer", clause="DRY-006")
 
     @property
-    def is_empty(self) -> bool:  # no transfer
+    def is_empty(self) -> bool:
+        """True when the metadata describes no transfer."""
         return not (self.loads or self.saves)
 
     def encode(self) -> bytes:
@@ -304,9 +305,8 @@ class LayerwiseStorageWorker(WorkerConnector):
         ``layout``: LAY-008) and allocate the persistent buffers; only once (WRK-001).
         ``kv_caches`` is in layer order."""
         if self._kv is not None or self._closed:
-            raise InvalidArgumentError(
-                "register_kv_caches called twice (or after shutdown); expected exactly one "
-                "registration per worker", clause="WRK-001")
+            raise InvalidArgumentError("register_kv_caches called twice (or after shutdown)",
+                                       clause="WRK-001")
         kv = KVBlocks(kv_caches, layout)
         for name, slot in zip(kv_caches, layout.layer_slots):  # the first layer moves
             self._moves[name] = None if slot in self._moves.values() else slot
@@ -346,10 +346,8 @@ class LayerwiseStorageWorker(WorkerConnector):
             if meta.is_empty:
                 self._slot.bind(meta)
                 return
-            raise InvalidArgumentError(
-                "the metadata names transfers but no KV caches are registered (or the worker "
-                "is shut down); expected register_kv_caches before the first transfer",
-                clause="WRK-001")
+            raise InvalidArgumentError("the metadata names transfers but no KV caches are "
+                                       "registered (or the worker is shut down)", clause="WRK-001")
         for what, pairs in (("loads", meta.loads), ("saves", meta.saves)):
             if len(pairs) > s:
                 raise InvalidArgumentError(
@@ -382,13 +380,12 @@ class LayerwiseStorageWorker(WorkerConnector):
         self._save_keys = ()
 
     def build_dummy_connector_meta(self, forward_context: ForwardContextView) -> ConnectorMetadata:
-        """Metadata with no transfer (DRY-005..007): bound, every mask is off and every index
-        0; the hooks run the same device work and move nothing."""
+        """Metadata with no transfer (DRY-005..007): the hooks run and move nothing."""
         return LayerwiseMetadata(dummy=True)
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
-        """Nothing to start: the loads are staged at binding (WRK-004); DRY-001 checked."""
-        self._slot.get("start_load_kv")
+        """Nothing to start: the loads are staged at binding (WRK-004)."""
+        self._slot.get("start_load_kv")  # DRY-001
 
     def _slot_views(self, layer_name: str, hook: str) -> _SlotViews | None:
         """The views ``layer_name`` moves (None: it shares an earlier layer's storage)."""
@@ -396,12 +393,10 @@ class LayerwiseStorageWorker(WorkerConnector):
         if not self._buf:
             raise InvalidArgumentError(
                 f"{hook} before register_kv_caches (or after shutdown)", clause="WRK-001")
-        try:
-            slot = self._moves[layer_name]
-        except KeyError:
-            raise InvalidArgumentError(
-                f"{hook}: unknown layer {layer_name!r}; expected one of the registered "
-                f"layers {list(self._moves)}", clause="ERR-002") from None
+        if layer_name not in self._moves:
+            raise InvalidArgumentError(f"{hook}: unknown layer {layer_name!r}; expected one of "
+                                       f"{list(self._moves)}", clause="ERR-002")
+        slot = self._moves[layer_name]
         return None if slot is None else self._views[slot]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -482,6 +477,7 @@ class LayerwiseStorageConnector(ConnectorFactory):
 
     @property
     def name(self) -> str:
+        """``"layerwise-storage"``."""
         return "layerwise-storage"
 
     @property
@@ -493,7 +489,9 @@ class LayerwiseStorageConnector(ConnectorFactory):
             failure_reporting=FailureReporting.INVALID_BLOCKS)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """Build the scheduler role (``scheduler_class``)."""
         return self.scheduler_class(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """Build the worker role of ``rank`` (``worker_class``)."""
         return self.worker_class(config, rank)

@@ -261,9 +261,8 @@ class SharedStorageScheduler(SchedulerConnector):
         count = self._match(request, num_computed_tokens)
         self._known.add(request.request_id)
         self._asked[request.request_id] = num_computed_tokens
-        if self._deferred(request, num_computed_tokens, count):
-            return None, False
-        return count, count > 0
+        return (None, False) if self._deferred(request, num_computed_tokens, count) else (
+            count, count > 0)
 
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
@@ -399,9 +398,8 @@ class SharedStorageWorker(WorkerConnector):
         """Keep the caches as ``KVBlocks`` (LayoutMismatchError if they do not match
         ``layout``: LAY-008) and start the background thread; only once (WRK-001)."""
         if self._kv is not None or self._closed:
-            raise InvalidArgumentError(
-                "register_kv_caches called twice (or after shutdown); expected exactly one "
-                "registration per worker", clause="WRK-001")
+            raise InvalidArgumentError("register_kv_caches called twice (or after shutdown)",
+                                       clause="WRK-001")
         self._kv = KVBlocks(kv_caches, layout)
         os.makedirs(self._dir, exist_ok=True)
         self._pool = IoThread(f"kvspec-shared-storage-rank{self._rank}")
@@ -436,10 +434,8 @@ class SharedStorageWorker(WorkerConnector):
             return
         kv, pool = self._kv, self._pool
         if kv is None or pool is None or self._closed:
-            raise InvalidArgumentError(
-                "the metadata names transfers but no KV caches are registered (or the worker "
-                "is shut down); expected register_kv_caches before the first transfer",
-                clause="WRK-001")
+            raise InvalidArgumentError("the metadata names transfers but no KV caches are "
+                                       "registered (or the worker is shut down)", clause="WRK-001")
         for job in (*meta.loads, *meta.saves):
             kv.check_budget(job.blocks, f"request {job.request_id!r}")
             if job.request_id in (self._loads if isinstance(job, LoadJob) else self._saves):
@@ -580,6 +576,7 @@ class SharedStorageConnector(ConnectorFactory):
 
     @property
     def name(self) -> str:
+        """``"shared-storage"``."""
         return "shared-storage"
 
     @property
@@ -591,7 +588,9 @@ class SharedStorageConnector(ConnectorFactory):
             failure_reporting=FailureReporting.INVALID_BLOCKS, fault_injection=True)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """Build the scheduler role (``scheduler_class``)."""
         return self.scheduler_class(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """Build the worker role of ``rank`` (``worker_class``)."""
         return self.worker_class(config, rank)

@@ -64,10 +64,12 @@ class TinyCacheMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     saves: Pairs = ()
 
     def encode(self) -> bytes:
+        """Plain JSON, never a pickle (ERR-006)."""
         return msgspec.json.encode(self)  # {"kind": "tinycache", "loads": [...], "saves": [...]}
 
     @classmethod
     def decode(cls, data: bytes) -> TinyCacheMetadata:
+        """Rebuild what ``encode`` wrote; MalformedMetadataError for anything else (ERR-005)."""
         try:
             return msgspec.json.decode(data, type=cls)  # checks every type and bound
         except (msgspec.MsgspecError, ValueError) as e:
@@ -100,6 +102,7 @@ class TinyCacheScheduler(SchedulerConnector):
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Stored blocks after the computed ones, one prompt token left to compute."""
         bs = self.block_size
         if num_computed_tokens % bs:
             return 0, False
@@ -115,6 +118,7 @@ class TinyCacheScheduler(SchedulerConnector):
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
     ) -> None:
+        """Plan loads into the blocks that cover the external tokens."""
         if num_external_tokens == 0:
             return
         start = self.asked.get(request.request_id, request.num_computed_tokens)
@@ -125,6 +129,7 @@ class TinyCacheScheduler(SchedulerConnector):
         self.loads += [(ids[i], keys[i]) for i in range(first, last)]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        """Hand out the planned loads; plan saves of the blocks this step fills."""
         for key in list(self.saving):      # saves planned in earlier steps, now on disk
             if self.on_disk(key):
                 self.saving.discard(key)
@@ -152,15 +157,18 @@ class TinyCacheScheduler(SchedulerConnector):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """React to failed loads only."""
         if output.invalid_block_ids:   # a load failed: forget blocks whose files are gone
             self.stored = {key for key in self.stored if self.on_disk(key)}
 
     def on_disk(self, key: str) -> bool:
+        """True when every rank wrote the block."""
         return all(block_file(self.dir, key, r).exists() for r in range(self.world_size))
 
     def request_finished(
         self, request: RequestView, block_ids: tuple[int, ...]
     ) -> tuple[bool, Mapping[str, Any] | None]:
+        """Forget the request; its blocks are freed at once."""
         self.running.pop(request.request_id, None)
         self.asked.pop(request.request_id, None)
         return False, None
@@ -181,6 +189,7 @@ class TinyCacheWorker(WorkerConnector):
     def register_kv_caches(
         self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
     ) -> None:
+        """Keep one tensor per distinct layer storage."""
         tensors = list(kv_caches.values())
         layout.check_layer_tensors(tensors)
         first_of_slot: dict[int, torch.Tensor] = {}
@@ -190,9 +199,11 @@ class TinyCacheWorker(WorkerConnector):
         self.block_dim = 1 if layout.packing is KVPacking.SPLIT else 0
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        """Bind the step's metadata."""
         self.slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
 
     def clear_connector_metadata(self) -> None:
+        """Forget the step's metadata."""
         self.slot.clear()
 
     def block(self, block_id: int) -> list[torch.Tensor]:
@@ -200,6 +211,7 @@ class TinyCacheWorker(WorkerConnector):
         return [t.select(self.block_dim, block_id) for t in self.storages]
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        """Copy the step's loads in, before the first layer runs."""
         for block_id, key in self.slot.get("start_load_kv").loads:
             path = block_file(self.dir, key, self.rank)
             pages = self.block(block_id)
@@ -216,6 +228,7 @@ class TinyCacheWorker(WorkerConnector):
                 path.unlink(missing_ok=True)
 
     def wait_for_save(self) -> None:
+        """Write the step's saves, after the last layer wrote its KV."""
         for block_id, key in self.slot.get("wait_for_save").saves:
             path = block_file(self.dir, key, self.rank)
             data = bytes(torch.stack(self.block(block_id)).view(torch.uint8).untyped_storage())
@@ -224,6 +237,7 @@ class TinyCacheWorker(WorkerConnector):
             os.replace(tmp, path)                  # readers never see half a block
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """The blocks whose load failed since the last call."""
         failed, self.failed = frozenset(self.failed), set()
         return failed
 # --8<-- [end:worker]
@@ -234,15 +248,19 @@ class TinyCache(ConnectorFactory):
 
     @property
     def name(self) -> str:
+        """The name reports and errors use."""
         return "tinycache"
 
     @property
     def capabilities(self) -> Capabilities:
+        """Every default, except that failed loads are reported as invalid blocks."""
         return Capabilities(failure_reporting=FailureReporting.INVALID_BLOCKS)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """Build the scheduler role."""
         return TinyCacheScheduler(config)
 
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """Build the worker role of one rank."""
         return TinyCacheWorker(config, rank)
 # --8<-- [end:factory]
