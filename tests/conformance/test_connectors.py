@@ -736,13 +736,14 @@ def test_a_stuck_copy_does_not_hold_the_output_hook(
     worker.register_kv_caches(kv, layout)
     keys = write_saved(tmp_path, worker, kv)
     release = threading.Event()
-    original = worker._copy_in  # type: ignore[attr-defined]
+    blocks = worker._kv  # type: ignore[attr-defined]
+    original = blocks.copy_in
 
     def stuck(block: int, src: torch.Tensor) -> None:
         release.wait(10)
         original(block, src)
 
-    monkeypatch.setattr(worker, "_copy_in", stuck)
+    monkeypatch.setattr(blocks, "copy_in", stuck)
     try:
         run_step(worker, SharedStorageMetadata(loads=(LoadJob("r", ((5, keys[0]),)),)), kv)
         start = time.monotonic()
@@ -773,7 +774,7 @@ from kvspec.conformance.connectors import shared_storage
 from kvspec.protocols import (EngineConfigView, ForwardContextView, ForwardKind,
                               KVCacheLayout, KVPacking, StrideOrder, TransferRole)
 
-shared_storage._write_block_file = lambda *a: threading.Event().wait()  # a write that hangs
+shared_storage.write_block_file = lambda *a: threading.Event().wait()  # a write that hangs
 config = EngineConfigView(engine_id="e", role=TransferRole.BOTH, num_layers=2, block_size=4,
                           num_blocks=8, extra={"kvspec.tmpdir": sys.argv[1], "io_timeout_s": 0.5})
 layout = KVCacheLayout.contiguous(StrideOrder.LBHNC, KVPacking.CONCAT, torch.float32, 2, 8, 4, 2, 4)

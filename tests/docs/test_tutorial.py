@@ -3,7 +3,10 @@
 The page is read as a script:
 
 * a fenced block with ``title="path"`` is a file: it is written (blocks with the same title
-  are appended, in order) relative to the current directory;
+  are appended, in order) relative to the current directory; a line
+  ``--8<-- "file:section"`` in it is that section of a file of the repository, as the
+  ``pymdownx.snippets`` extension includes it in the site (the tutorial's connector is
+  ``kvspec/conformance/connectors/tiny.py``);
 * a ```` ```bash ```` block holds commands, one a line, run with bash in the current
   directory (``cd`` carries over to later commands); it must exit 0, or with N when the
   line before the block is ``<!-- tutorial: exit N -->``;
@@ -26,12 +29,36 @@ from pathlib import Path
 import attrs
 import pytest
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 TUTORIAL = DOCS / "tutorial.md"
+TINY = ROOT / "kvspec" / "conformance" / "connectors" / "tiny.py"
 
 _FENCE = re.compile(r"^```(\w*)(.*)$")
 _TITLE = re.compile(r'title="([^"]+)"')
 _EXIT = re.compile(r"^<!-- tutorial: exit (\d+) -->$")
+_SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$')
+_SECTION = re.compile(r"--8<-- \[(start|end):([\w-]+)\]")
+
+
+def snippet(path: str, section: str | None) -> list[str]:
+    """The lines ``--8<-- "path:section"`` includes: the section's lines (the whole file
+    without a section), section markers dropped, as ``pymdownx.snippets`` does."""
+    lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
+    if section is not None:
+        marks = [(i, m.groups()) for i, line in enumerate(lines) if (m := _SECTION.search(line))]
+        start = next(i for i, mark in marks if mark == ("start", section))
+        end = next(i for i, mark in marks if mark == ("end", section))
+        lines = lines[start + 1:end]
+    return [line for line in lines if not _SECTION.search(line)]
+
+
+def _expand(body: list[str]) -> list[str]:
+    out: list[str] = []
+    for line in body:
+        m = _SNIPPET.match(line)
+        out.extend(snippet(m.group(1), m.group(2)) if m else [line])
+    return out
 
 
 @attrs.frozen
@@ -74,6 +101,8 @@ def parse(markdown: str) -> list[Step]:
         previous = lines[start - 1].strip() if start > 0 else ""
         exit_match = _EXIT.match(previous)
         title = _TITLE.search(info)
+        if title:
+            body = _expand(body)
         text = "\n".join(body) + "\n"
         if title:
             steps.append(File(title.group(1), text))
@@ -131,6 +160,25 @@ def test_tutorial_parses_into_files_and_commands() -> None:
     for step in steps:
         if isinstance(step, File) and step.path.endswith(".py"):
             compile(step.text, step.path, "exec")  # each part is valid on its own too
+
+
+def test_tutorial_shows_the_whole_tiny_connector() -> None:
+    """The page's ``tinycache/connector.py`` is ``kvspec.conformance.connectors.tiny``, all
+    of it, in order: the tutorial runs the module's code, and the module is what it shows."""
+    steps = parse(TUTORIAL.read_text(encoding="utf-8"))
+    shown = "\n".join(s.text for s in steps
+                      if isinstance(s, File) and s.path == "tinycache/connector.py")
+    module = "\n".join(snippet(str(TINY.relative_to(ROOT)), None))
+    assert [line for line in shown.splitlines() if line.strip()] == [
+        line for line in module.splitlines() if line.strip()]
+
+
+def test_tiny_connector_loads_from_the_package() -> None:
+    """The suite can load the module's factory by its import path."""
+    from kvspec.conformance import load_factory
+
+    factory = load_factory("kvspec.conformance.connectors.tiny:TinyCache")
+    assert factory.name == "tinycache"
 
 
 def test_tutorial_runs_as_written(tmp_path: Path) -> None:

@@ -1,12 +1,16 @@
-"""Example connectors: a null connector, a shared-storage connector and broken variants.
+"""Example connectors to read and copy, and broken variants that test the suite.
 
+* ``TinyCache`` (``kvspec.conformance.connectors.tiny:TinyCache``), read it first: the
+  tutorial's tinycache (docs/tutorial.md shows this file), a prefix cache on disk with
+  synchronous loads, about 250 lines.
 * ``NullConnector`` (``kvspec.conformance.connectors:NullConnector``) moves nothing
   and conforms: the baseline.
 * ``SharedStorageConnector`` (``kvspec.conformance.connectors:SharedStorageConnector``)
   saves finished requests' blocks to files in a shared directory and loads them
   asynchronously: async loads, delayed free, failed loads as invalid blocks.
 * ``LayerwiseStorageConnector`` stores the same files with capturable per-layer hooks:
-  pure device work on persistent buffers, safe to capture in FULL graphs.
+  pure device work on persistent buffers, safe to capture in FULL graphs. Both keep their
+  blocks in ``storage`` (keys, atomic writes, block files, markers, settings).
 * ``BROKEN_GRAPH_CONNECTORS`` lists three graph-unsafe variants of it.
 * ``BROKEN_CONNECTORS`` lists variants of the shared-storage connector that each break
   exactly one clause, with that clause, so the conformance suite can prove it catches them.
@@ -43,6 +47,7 @@ from .layerwise import (
     LayerwiseStorageWorker,
 )
 from .null import NullConnector, NullMetadata, NullScheduler, NullWorker
+from .layerwise import LayerwiseSettings
 from .shared_storage import (
     HANDOFF_PARAM,
     LoadJob,
@@ -55,8 +60,13 @@ from .shared_storage import (
     block_path,
     marker_path,
 )
+from .tiny import TinyCache, TinyCacheMetadata, TinyCacheScheduler, TinyCacheWorker
 
 __all__ = [
+    "TinyCache",
+    "TinyCacheMetadata",
+    "TinyCacheScheduler",
+    "TinyCacheWorker",
     "BROKEN_CONNECTORS",
     "BROKEN_GRAPH_CONNECTORS",
     "DEFAULT_MAX_BLOCKS_PER_STEP",
@@ -72,6 +82,7 @@ __all__ = [
     "ImpureMatchConnector",
     "ItemInHookConnector",
     "LayerwiseMetadata",
+    "LayerwiseSettings",
     "LayerwiseStorageConnector",
     "LayerwiseStorageScheduler",
     "LayerwiseStorageWorker",

@@ -4,7 +4,8 @@ The conformance suite runs them to prove that it catches each violation: every f
 is the ``SharedStorageConnector`` with one
 behaviour changed, names the clause it breaks in its docstring and in its ``violates`` class
 attribute, and is listed with that clause in ``BROKEN_CONNECTORS``. Capabilities are the
-base connector's: each variant claims to conform and does not.
+base connector's: each variant claims to conform and does not. Each subclasses or wraps the
+connector's roles; the connector itself has no hooks for them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import attrs
+import msgspec
 import torch
 from typing_extensions import Self
 
@@ -39,21 +41,19 @@ from kvspec.protocols import (
     SupportsAggregate,
 )
 
+from ._transfers import Transfer
 from .layerwise import LayerwiseStorageConnector, LayerwiseStorageScheduler, LayerwiseStorageWorker
 from .shared_storage import (
     HANDOFF_PARAM,
     LoadJob,
     SaveJob,
-    _Job,
-    _SaveRecord,
     SharedStorageConnector,
     SharedStorageMetadata,
     SharedStorageScheduler,
     SharedStorageWorker,
-    block_path,
+    _SaveRecord,  # the save records of the scheduler these variants subclass
 )
-from .shared_storage import _atomic_write, marker_path  # the store's "stored" markers
-from .shared_storage import _write_block_file  # block file format, write side
+from .storage import KVBlocks, block_path, stored_events, write_block_file, write_marker
 
 __all__ = [
     "AssumesNhdConnector",
@@ -139,8 +139,11 @@ class FullPromptHitConnector(LayerwiseStorageConnector):
 class _AsyncZeroScheduler(SharedStorageScheduler):
     """Answers every match, misses included, as async (SCH-004)."""
 
-    def _is_async(self, count: int) -> bool:
-        return True
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (None, False) if count is None else (count, True)
 
 
 class AsyncZeroConnector(BrokenConnector):
@@ -204,8 +207,20 @@ class NoSaltConnector(BrokenConnector):
 class _ReadAfterFreeScheduler(SharedStorageScheduler):
     """Frees at once but still saves the blocks (SCH-017)."""
 
-    def _delay_free(self) -> bool:
-        return False
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._unreported: dict[str, _SaveRecord] = {}  # saves whose free was not delayed
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, object] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        if delay:  # the slip: the save stays planned, the free is not delayed
+            rid = request.request_id
+            self._pending_saves[-1] = msgspec.structs.replace(self._pending_saves[-1],
+                                                              report=False)
+            self._unreported[rid] = self._saving.pop(rid)
+        return False, params
 
     def _mark_written(self) -> None:
         # The workers do not report these saves; mark a block stored once every rank's file
@@ -216,7 +231,7 @@ class _ReadAfterFreeScheduler(SharedStorageScheduler):
                 os.path.exists(block_path(self._dir, key, r)) for key in record.keys for r in ranks
             ):
                 del self._unreported[rid]
-                self._mark_done(record)
+                self._mark_done(record.keys, record.events)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -231,7 +246,12 @@ class _ReadAfterFreeScheduler(SharedStorageScheduler):
 class _ReadAfterFreeWorker(SharedStorageWorker):
     """Writes saves at once, so that the scheduler marks them stored a step later."""
 
-    _sync_saves = True
+    def _start(self, meta: SharedStorageMetadata) -> None:
+        super()._start(meta)
+        for save in meta.saves:  # waits for the background thread to write them
+            future = self._saves[save.request_id].future
+            if future is not None:
+                concurrent.futures.wait((future,), timeout=self._settings.io_timeout_s)
 
 
 class ReadAfterFreeConnector(BrokenConnector):
@@ -258,7 +278,10 @@ class _DoubleReportWorker(SharedStorageWorker):
         super().__init__(config, rank)
         self._report_again: set[str] = set()
 
-    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        sending, recving = super().get_finished(finished_req_ids)
         again, self._report_again = self._report_again, set(recving)
         return sending, recving | again
 
@@ -277,7 +300,10 @@ class _UnknownReportWorker(SharedStorageWorker):
         super().__init__(config, rank)
         self._ghost_reported = False
 
-    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        sending, recving = super().get_finished(finished_req_ids)
         if not self._ghost_reported:
             self._ghost_reported = True
             sending = sending | {GHOST_REQUEST_ID}
@@ -292,12 +318,23 @@ class UnknownReportConnector(BrokenConnector):
     worker_class = _UnknownReportWorker
 
 
+class _CorruptBlocks(KVBlocks):
+    """Flips the low bit of the first byte of every block read from storage."""
+
+    def read(self, directory: str, key: str, rank: int) -> torch.Tensor:
+        block = super().read(directory, key, rank)
+        block.reshape(-1).view(torch.uint8)[0] ^= 1
+        return block
+
+
 class _CorruptLoadWorker(SharedStorageWorker):
     """Corrupts every loaded block (WRK-013)."""
 
-    def _after_load(self, data: torch.Tensor) -> torch.Tensor:
-        data[0] ^= 1
-        return data
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        super().register_kv_caches(kv_caches, layout)
+        self._kv = _CorruptBlocks(kv_caches, layout)
 
 
 class CorruptLoadConnector(BrokenConnector):
@@ -311,8 +348,11 @@ class CorruptLoadConnector(BrokenConnector):
 class _NoSendReportWorker(SharedStorageWorker):
     """Never reports a finished send (SCH-016)."""
 
-    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
-        return set(), recving
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        _, recving = super().get_finished(finished_req_ids)
+        return frozenset(), recving
 
 
 class NoSendReportConnector(BrokenConnector):
@@ -326,11 +366,25 @@ class NoSendReportConnector(BrokenConnector):
 class _DropsAbortedRecvWorker(SharedStorageWorker):
     """Drops the receive reports of aborted loads (SCH-021)."""
 
-    def _load_delay_s(self) -> float:
-        return max(super()._load_delay_s(), SLOW_LOAD_S)
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._settings = msgspec.structs.replace(
+            self._settings, load_delay_s=max(self._settings.load_delay_s, SLOW_LOAD_S))
+        self._aborted: set[str] = set()  # aborted loads still in flight
 
-    def _report(self, sending: set[str], recving: set[str]) -> tuple[set[str], set[str]]:
-        return sending, recving - self._aborted
+    def _start(self, meta: SharedStorageMetadata) -> None:
+        super()._start(meta)
+        self._aborted.update(r for r in meta.aborted_loads if r in self._loads)
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        aborted = set(self._aborted)
+        sending, recving = super().get_finished(finished_req_ids)
+        self._aborted &= set(self._loads)
+        recving -= aborted  # the slip
+        self._failed &= recving
+        return sending, recving
 
 
 class DropsAbortedRecvConnector(BrokenConnector):
@@ -375,8 +429,7 @@ class LoadsOverLocalHitConnector(BrokenConnector):
 # ------------------------------------------------------------------------ hostile input
 
 
-@attrs.frozen
-class _PickledMetadata(SharedStorageMetadata):
+class _PickledMetadata(SharedStorageMetadata, frozen=True):
     """Shared-storage metadata that crosses processes as a pickle (ERR-006)."""
 
     def encode(self) -> bytes:
@@ -390,8 +443,7 @@ class _PickledMetadata(SharedStorageMetadata):
         return value
 
 
-@attrs.frozen
-class _LeakyMetadata(SharedStorageMetadata):
+class _LeakyMetadata(SharedStorageMetadata, frozen=True):
     """Checks the envelope with a bare ``json.loads`` before the strict decoder (ERR-005)."""
 
     @classmethod
@@ -638,18 +690,28 @@ class ReloadsConnector(BrokenConnector):
     scheduler_class = _ReloadsScheduler
 
 
-class _AssumesNhdWorker(SharedStorageWorker):
+class _NhdBlocks(KVBlocks):
     """Copies loaded blocks in by address, as if every page were tokens x heads x channels
     (vLLM's NHD), whatever the registered stride order (LAY-007)."""
 
-    def _copy_in(self, block: int, src: torch.Tensor) -> None:
-        for tensor, part in zip(self._tensors, src):
-            dst = self._block(tensor, block)
-            pages = [dst[i] for i in range(dst.shape[0])] if self._split else [dst]
-            parts = [part[i] for i in range(part.shape[0])] if self._split else [part]
+    def copy_in(self, block: int, src: torch.Tensor) -> None:
+        for tensor, part in zip(self.tensors, src):
+            dst = self.block(tensor, block)
+            pages = [dst[i] for i in range(dst.shape[0])] if self.split else [dst]
+            parts = [part[i] for i in range(part.shape[0])] if self.split else [part]
             for page, data in zip(pages, parts):
                 dense = torch.empty(page.shape, dtype=page.dtype).stride()
                 torch.as_strided(page, page.shape, dense, page.storage_offset()).copy_(data)
+
+
+class _AssumesNhdWorker(SharedStorageWorker):
+    """Loads through ``_NhdBlocks`` (LAY-007)."""
+
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        super().register_kv_caches(kv_caches, layout)
+        self._kv = _NhdBlocks(kv_caches, layout)
 
 
 class AssumesNhdConnector(BrokenConnector):
@@ -674,13 +736,15 @@ class _EagerSavesScheduler(SharedStorageScheduler):
         super().__init__(config)
         self._running: dict[str, tuple[RequestView, list[int]]] = {}
         self._eager: dict[str, tuple[str, ...]] = {}  # request -> keys being saved
+        self._unreported: dict[str, _SaveRecord] = {}  # eager saves, never reported
 
     def _mark_eager_written(self) -> None:
         ranks = range(self._config.world_size)
         for rid, keys in list(self._eager.items()):
             if all(os.path.exists(block_path(self._dir, k, r)) for k in keys for r in ranks):
                 del self._eager[rid]
-                self._mark_done(self._unreported.pop(rid))
+                record = self._unreported.pop(rid)
+                self._mark_done(record.keys, record.events)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
         self._mark_eager_written()
@@ -710,7 +774,7 @@ class _EagerSavesScheduler(SharedStorageScheduler):
                 self._saving_keys.update(saved)
                 self._eager[rid] = saved
                 self._unreported[rid] = _SaveRecord(
-                    saved, self._stored_events(request, keys, positions))
+                    saved, stored_events(request, keys, positions, self._block_size))
         return super().build_connector_meta(scheduler_output)
 
     def request_finished(
@@ -737,27 +801,28 @@ class _EagerSavesWorker(SharedStorageWorker):
 
     def __init__(self, config: EngineConfigView, rank: int) -> None:
         super().__init__(config, rank)
-        self._eager: dict[str, list[_Job]] = {}
+        self._eager: dict[str, list[Transfer]] = {}
 
     def _start(self, meta: SharedStorageMetadata) -> None:
         eager = [s for s in meta.saves if not s.report]
-        super()._start(attrs.evolve(meta, saves=tuple(s for s in meta.saves if s.report)))
+        super()._start(msgspec.structs.replace(
+            meta, saves=tuple(s for s in meta.saves if s.report)))
         pool = self._pool
         if not eager or pool is None:
             return
         for save in eager:
-            j = _Job(save.request_id, tuple(b for b, _ in save.blocks),
-                     self._settings.io_timeout_s, False)
+            j = Transfer(save.request_id, tuple(b for b, _ in save.blocks),
+                         self._settings.io_timeout_s, False)
             j.future = pool.submit(self._write_lazily, j, tuple(k for _, k in save.blocks))
             self._eager.setdefault(save.request_id, []).append(j)
 
-    def _write_lazily(self, job: _Job, keys: tuple[str, ...]) -> tuple[int, ...]:
+    def _write_lazily(self, job: Transfer, keys: tuple[str, ...]) -> tuple[int, ...]:
         if self._faults.delay_s:
             self._closing.wait(self._faults.delay_s)  # the transfer is slow to start
         with job.lock:
-            if self._closing.is_set() or job.cancelled.is_set():
+            if self._closing.is_set() or job.cancelled.is_set() or self._kv is None:
                 return job.block_ids
-            snapshot = self._snapshot(job.block_ids)  # the blocks are read only now
+            snapshot = self._kv.snapshot(job.block_ids)  # the blocks are read only now
         return self._write_blocks(job, keys, snapshot)
 
     def _fence(self, rid: str) -> None:
@@ -915,17 +980,17 @@ class _UnsyncedWriterWorker(LayerwiseStorageWorker):
         self._slot.get("wait_for_save")
         keys, self._save_keys = self._save_keys, ()
         if keys:  # the slip: the staging the next forward's save_kv_layer overwrites
-            self._jobs.put((keys, self._buffers().save_staging[: len(keys)]))
+            self._jobs.put((keys, self._buf["save_staging"][: len(keys)]))
 
     def _write(self) -> None:
         while (job := self._jobs.get()) is not None:
             keys, staging = job
             for i, key in enumerate(keys):
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
-                    _write_block_file(block_path(self._dir, key, self._rank), key,
-                                      self._rank, staging[i].to("cpu"))
+                    write_block_file(block_path(self._dir, key, self._rank), key,
+                                     self._rank, staging[i].to("cpu"))
                     # stored once written, as file-per-block stores often decide it
-                    _atomic_write(marker_path(self._dir, key), (b"stored\n",))
+                    write_marker(self._dir, key)
 
     def shutdown(self) -> None:
         self._jobs.put(None)

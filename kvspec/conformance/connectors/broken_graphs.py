@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from kvspec.protocols import ForwardContextView
+from kvspec.protocols import ConnectorMetadata, ForwardContextView
 
 from .layerwise import LayerwiseStorageConnector, LayerwiseStorageWorker
 
@@ -49,20 +49,22 @@ class BrokenGraphConnector(LayerwiseStorageConnector):
 class _PythonDecidesWorker(LayerwiseStorageWorker):
     """Copies blocks chosen in Python from the bound metadata (GRA-004)."""
 
+    _loaded_ok: tuple[bool, ...] = ()  # per load of the bound metadata
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         views = self._slot_views(layer_name, "wait_for_layer_load")
         if views is None:
             return
         meta = self._slot.get("wait_for_layer_load")
-        slot = views.slot
-        staging = self._buffers().load_staging
-        tensor = self._tensors[slot]
+        slot, kv = views.slot, self._kv
+        assert kv is not None
+        staging, tensor = self._buf["load_staging"], kv.tensors[slot]
         # The bug: which blocks to copy is decided here, in Python, from this step's
         # metadata. Captured with dummy metadata the loop runs zero times, so the graph
         # records no copy and every replay skips the real loads.
         for i, (block, _key) in enumerate(meta.loads):
             if self._loaded_ok[i]:
-                self._block(tensor, block).copy_(staging[i, slot])
+                kv.block(tensor, block).copy_(staging[i, slot])
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, forward_context: ForwardContextView
@@ -71,13 +73,17 @@ class _PythonDecidesWorker(LayerwiseStorageWorker):
         if views is None:
             return
         meta = self._slot.get("save_kv_layer")
-        slot = views.slot
-        staging = self._buffers().save_staging
+        slot, kv = views.slot, self._kv
+        assert kv is not None
+        staging = self._buf["save_staging"]
         for i, (block, _key) in enumerate(meta.saves):  # same bug as the loads
-            staging[i, slot].copy_(self._block(kv_layer, block))
+            staging[i, slot].copy_(kv.block(kv_layer, block))
 
-    def _block(self, tensor: torch.Tensor, block: int) -> torch.Tensor:
-        return tensor[:, block] if self._split else tensor[block]
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        loads = len(self._slot.get("bind_connector_metadata").loads)
+        mask = self._buf.get("load_mask")
+        self._loaded_ok = tuple(mask[:loads].tolist()) if mask is not None else ()
 
 
 class PythonDecidesConnector(BrokenGraphConnector):
@@ -98,7 +104,7 @@ class _ItemInHookWorker(LayerwiseStorageWorker):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # The bug: a host sync (aten._local_scalar_dense) inside a hook that is captured.
-        if int(self._buffers().load_mask.sum().item()) == 0:
+        if int(self._buf["load_mask"].sum().item()) == 0:
             return
         super().wait_for_layer_load(layer_name)
 

@@ -11,11 +11,10 @@ baseline every engine must pass with.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
+import msgspec
 import torch
 from typing_extensions import Self
 
@@ -44,8 +43,7 @@ from ._checks import check_count, check_request
 __all__ = ["NullConnector", "NullMetadata", "NullScheduler", "NullWorker"]
 
 
-@attrs.frozen
-class NullMetadata:
+class NullMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The null connector's step metadata: describes no transfer.
 
     Encodes to the JSON object ``{}``; ``decode`` accepts nothing else (ERR-005).
@@ -53,7 +51,7 @@ class NullMetadata:
 
     def encode(self) -> bytes:
         """Return ``b"{}"``: an empty JSON object (ERR-006)."""
-        return b"{}"
+        return msgspec.json.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
@@ -67,19 +65,11 @@ class NullMetadata:
                 f"null metadata must be bytes, got {type(data).__name__}", clause="ERR-005"
             )
         try:
-            obj = json.loads(bytes(data).decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
+            return msgspec.json.decode(data, type=cls)
+        except (msgspec.MsgspecError, ValueError) as e:  # ValueError: a key not UTF-8
             raise MalformedMetadataError(
-                f"null metadata is not UTF-8 JSON: {e}", clause="ERR-005"
+                f"null metadata must be the empty JSON object {{}}: {e}", clause="ERR-005"
             ) from None
-        if not isinstance(obj, dict) or obj:
-            raise MalformedMetadataError(
-                f"null metadata must be the empty JSON object {{}}, got {obj!r}",
-                clause="ERR-005",
-            )
-        return cls()
-
-
 
 
 class NullScheduler(SchedulerConnector):
