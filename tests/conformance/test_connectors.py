@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 from kvspec.conformance.connectors import (
@@ -658,9 +659,8 @@ def test_worker_moves_shared_storage_once(tmp_path: Path) -> None:
     worker.register_kv_caches(kv, shared)
     run_step(worker, SharedStorageMetadata(saves=(SaveJob("s", ((2, "aa"),)),)), kv)
     collect(worker, sending={"s"})
-    with open(block_path(str(tmp_path), "aa", 0), "rb") as f:
-        header = f.read()
-    assert b'"shape": [2, 1, 4, 4]' in header  # two storages, not three layers
+    stored = safetensors.torch.load_file(block_path(str(tmp_path), "aa", 0))
+    assert stored["block"].shape == (2, 1, 4, 4)  # two storages, not three layers
     expected = view[:, 2].clone()
     buffer.zero_()
     run_step(worker, SharedStorageMetadata(loads=(LoadJob("l", ((2, "aa"),)),)), kv)
@@ -685,7 +685,8 @@ def corrupt_header(path: str) -> None:
 
 def wrong_dtype(path: str) -> None:
     data = Path(path).read_bytes()
-    Path(path).write_bytes(data.replace(b"torch.float16", b"torch.float32"))
+    assert b'"F16"' in data
+    Path(path).write_bytes(data.replace(b'"F16"', b'"F32"'))
 
 
 def truncate(path: str) -> None:
@@ -693,7 +694,11 @@ def truncate(path: str) -> None:
     Path(path).write_bytes(data[:-1])
 
 
-@pytest.mark.parametrize("damage", [os.unlink, corrupt_header, wrong_dtype, truncate])
+def pad(path: str) -> None:
+    Path(path).write_bytes(Path(path).read_bytes() + b"\0")
+
+
+@pytest.mark.parametrize("damage", [os.unlink, corrupt_header, wrong_dtype, truncate, pad])
 def test_failed_load_is_reported(tmp_path: Path, damage: Any) -> None:
     """A damaged or missing file ends as a failed receive with invalid blocks, never as an
     exception or a hang (ERR-008, WRK-011)."""

@@ -3,9 +3,9 @@
 Both connectors keep a block in one directory that every process of every engine sees.
 A block is keyed by the engine's chained block hash (``RequestView.block_hashes[i]``,
 salted by cache salt and LoRA id: SCH-020), as lowercase hex. Rank ``r`` stores the
-block, all its layers, in one file ``<key>.rank<r>`` (``block_path``): an 8-byte magic, a
-little-endian u32 header length, a JSON header (format version, key, rank, dtype, shape)
-and the raw bytes. A block counts as stored only once the marker ``<key>.done``
+block, all its layers, in one file ``<key>.rank<r>`` (``block_path``): a safetensors file
+holding one tensor, ``block``, whose metadata entry ``kvspec-block`` names the format version,
+the key and the rank. A block counts as stored only once the marker ``<key>.done``
 (``marker_path``) exists, which the scheduler role writes when every rank wrote its file.
 Every file is written to a temporary name and renamed into place (``atomic_write``), so a
 reader never sees half a file.
@@ -17,7 +17,6 @@ msgspec, errors as ``MalformedMetadataError``).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from typing import Annotated, TypeVar
 
 import attrs
 import msgspec
+import safetensors.torch
 import torch
 from typing_extensions import Self
 
@@ -73,7 +73,6 @@ MEDIUM = "shared-storage"
 
 _log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"(?:[0-9a-f]{2}){1,256}")
-_MAGIC = b"KVSPECSS"
 _FILE_VERSION = 1
 _MAX_HEADER = 1 << 16
 
@@ -305,9 +304,10 @@ class BlockFileError(KVSpecError):
     """A stored block file is malformed, truncated or describes another block."""
 
 
-def _header(key: str, rank: int, dtype: torch.dtype, shape: Iterable[int]) -> dict[str, object]:
-    return {"version": _FILE_VERSION, "key": key, "rank": rank, "dtype": str(dtype),
-            "shape": list(shape)}
+def _metadata(key: str, rank: int) -> dict[str, str]:
+    # one entry: safetensors writes several in any order, and equal blocks make equal files
+    return {"kvspec-block": json.dumps({"version": _FILE_VERSION, "key": key, "rank": rank},
+                                       sort_keys=True)}
 
 
 def write_block_file(path: str, key: str, rank: int, block: torch.Tensor) -> None:
@@ -316,44 +316,41 @@ def write_block_file(path: str, key: str, rank: int, block: torch.Tensor) -> Non
         raise InvalidArgumentError(
             "a block is written from a contiguous CPU tensor", clause="ERR-002"
         )
-    header = json.dumps(_header(key, rank, block.dtype, block.shape), sort_keys=True).encode()
-    payload = ctypes.string_at(block.data_ptr(), block.numel() * block.element_size())
-    atomic_write(path, (_MAGIC, struct.pack("<I", len(header)), header, payload))
+    atomic_write(path, (safetensors.torch.save({"block": block}, _metadata(key, rank)),))
 
 
 def read_block_file(
     path: str, key: str, rank: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """Read one block as a flat, writable uint8 tensor, after checking its header.
+    """Read one block as a flat, writable uint8 tensor, after checking what the file says.
 
     Raises:
-        BlockFileError: the header is malformed or names another key, rank, dtype or shape,
-            or the payload has the wrong length.
+        BlockFileError: the file is not a safetensors file of one block (malformed,
+            truncated or padded), or names another key, rank, dtype or shape.
         OSError: the file cannot be read.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     with open(path, "rb") as f:
-        head = f.read(len(_MAGIC) + 4)
-        if len(head) != len(_MAGIC) + 4 or head[: len(_MAGIC)] != _MAGIC:
-            raise BlockFileError(f"{path}: not a shared-storage block file (bad magic)")
-        (size,) = struct.unpack("<I", head[len(_MAGIC):])
+        data = f.read(nbytes + _MAX_HEADER + 1)  # a longer file is not one of ours
+    try:
+        if len(data) > nbytes + _MAX_HEADER:
+            raise ValueError(f"longer than {nbytes + _MAX_HEADER} bytes")
+        (size,) = struct.unpack("<Q", data[:8])
         if size > _MAX_HEADER:
-            raise BlockFileError(f"{path}: header of {size} bytes exceeds {_MAX_HEADER}")
-        try:
-            header = json.loads(f.read(size).decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
-            raise BlockFileError(f"{path}: header is not UTF-8 JSON: {e}") from None
-        expected = _header(key, rank, dtype, shape)
-        if header != expected:
-            raise BlockFileError(f"{path}: header {header!r} does not match {expected!r}")
-        buf = bytearray(nbytes)
-        got = f.readinto(buf)
-        if got != nbytes or f.read(1):
-            raise BlockFileError(
-                f"{path}: payload is {'shorter' if got != nbytes else 'longer'} than "
-                f"{nbytes} bytes"
-            )
-    return torch.frombuffer(buf, dtype=torch.uint8)
+            raise ValueError(f"header of {size} bytes exceeds {_MAX_HEADER}")
+        metadata = json.loads(data[8:8 + size]).get("__metadata__")
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # safetensors, struct, JSON and UTF-8 errors all mean "not ours"
+        raise BlockFileError(f"{path}: not a block file: {type(e).__name__}: {e}") from None
+    expected = _metadata(key, rank)
+    if metadata != expected:
+        raise BlockFileError(f"{path}: metadata {metadata!r} do not match {expected!r}")
+    block = tensors.get("block")
+    if set(tensors) != {"block"} or block is None or block.dtype != dtype or \
+            tuple(block.shape) != tuple(shape):
+        found = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+        raise BlockFileError(f"{path}: holds {found!r}, not one {dtype} block of {shape}")
+    return block.reshape(-1).view(torch.uint8)
 
 
 # ------------------------------------------------------------------------------ KV blocks
