@@ -6,12 +6,12 @@ with validation; handshake metadata is JSON with a spec version.
 
 from __future__ import annotations
 
-import json
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import attrs
+import msgspec
 from typing_extensions import Self
 
 from .errors import (
@@ -138,8 +138,17 @@ class MetadataSlot(Generic[M]):
         return self._value
 
 
-def _reject_constant(name: str) -> object:
-    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+_W = TypeVar("_W")
+
+
+def _strict_json(data: bytes | bytearray | memoryview, wire: type[_W]) -> _W:
+    """``data`` as ``wire`` through msgspec's strict JSON (no NaN or Infinity, bounded depth
+    and integers); raises ``ValueError`` saying what was wrong."""
+    try:
+        return msgspec.json.decode(bytes(data), type=wire)
+    except (msgspec.DecodeError, RecursionError) as e:  # JSON, UTF-8, types, depth
+        raise ValueError(str(e)) from None
+
 
 
 def decode_json_envelope(
@@ -161,8 +170,8 @@ def decode_json_envelope(
     if not isinstance(data, (bytes, bytearray, memoryview)):
         fail(f"expected bytes, got {type(data).__name__}")
     try:
-        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
+        obj = _strict_json(data, Any)
+    except ValueError as e:
         fail(f"not UTF-8 JSON: {e}")
     if not isinstance(obj, dict) or set(obj) != set(keys):
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
@@ -204,6 +213,16 @@ def _payload_field(value: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 _HANDSHAKE_KEYS = {"engine_id", "rank", "spec_version", "layout", "payload"}
+
+
+class _HandshakeWire(msgspec.Struct, forbid_unknown_fields=True):
+    # the scalars stay Any: HandshakeMetadata's own checks say what is wrong with them
+    engine_id: Any
+    rank: Any
+    spec_version: Any
+    layout: dict[str, Any]
+    payload: dict[str, Any]
+
 _LAYOUT_KEYS = ("order", "packing", "dtype", "block_size")
 
 
@@ -243,16 +262,11 @@ class HandshakeMetadata:
 
     def encode(self) -> bytes:
         """Encode as UTF-8 JSON (HSK-001)."""
-        return json.dumps(
-            {
-                "engine_id": self.engine_id,
-                "rank": self.rank,
-                "spec_version": self.spec_version,
-                "layout": _json_ready(self.layout),
-                "payload": _json_ready(self.payload),
-            },
-            sort_keys=True,
-        ).encode()
+        return msgspec.json.encode(
+            _HandshakeWire(self.engine_id, self.rank, self.spec_version,
+                           _json_ready(self.layout), _json_ready(self.payload)),
+            order="sorted",
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> HandshakeMetadata:
@@ -266,8 +280,8 @@ class HandshakeMetadata:
                 f"handshake metadata must be bytes, got {type(data).__name__}", clause="HSK-005"
             )
         try:
-            obj = json.loads(bytes(data).decode(), parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
+            obj = _strict_json(data, Any)
+        except ValueError as e:
             raise MalformedMetadataError(
                 f"handshake metadata is not UTF-8 JSON: {e}", clause="HSK-005"
             ) from None
@@ -278,18 +292,15 @@ class HandshakeMetadata:
                 f"got {got}",
                 clause="HSK-005",
             )
-        if not isinstance(obj["layout"], dict) or not isinstance(obj["payload"], dict):
-            raise MalformedMetadataError(
-                "handshake 'layout' and 'payload' must be JSON objects", clause="HSK-005"
-            )
         try:
-            return cls(
-                engine_id=obj["engine_id"],
-                rank=obj["rank"],
-                spec_version=obj["spec_version"],
-                layout=obj["layout"],
-                payload=obj["payload"],
-            )
+            wire = msgspec.convert(obj, _HandshakeWire)
+        except msgspec.ValidationError as e:
+            raise MalformedMetadataError(
+                f"handshake 'layout' and 'payload' must be JSON objects: {e}", clause="HSK-005"
+            ) from None
+        try:
+            return cls(engine_id=wire.engine_id, rank=wire.rank, spec_version=wire.spec_version,
+                       layout=wire.layout, payload=wire.payload)
         except InvalidArgumentError as e:
             raise MalformedMetadataError(e.message, clause="HSK-005") from None
 

@@ -17,12 +17,12 @@ each run ``(offset, nbytes)`` of block 0, inside one region, is one descriptor p
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, SupportsIndex
 
 import attrs
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -391,7 +391,7 @@ class PeerInfo:
 
     def encode(self) -> bytes:
         """UTF-8 JSON of ``to_json`` (HSK-001)."""
-        return json.dumps(self.to_json(), sort_keys=True).encode()
+        return msgspec.json.encode(self.to_json(), order="sorted")
 
     @classmethod
     def decode(cls, data: bytes) -> PeerInfo:
@@ -405,8 +405,8 @@ class PeerInfo:
                 f"peer info must be bytes, got {type(data).__name__}", clause="HSK-005"
             )
         try:
-            obj = json.loads(bytes(data).decode())
-        except (ValueError, RecursionError) as e:  # JSON, UTF-8, int-size and depth errors
+            obj = msgspec.json.decode(bytes(data))
+        except (msgspec.DecodeError, RecursionError) as e:  # JSON, UTF-8, int size, depth
             raise MalformedMetadataError(
                 f"peer info is not UTF-8 JSON: {e}", clause="HSK-005"
             ) from None
