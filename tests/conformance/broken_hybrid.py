@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import attrs
+import msgspec
 import torch
 
 from kvspec.backends.offload import OffloadConnector, OffloadScheduler
@@ -114,7 +115,7 @@ class StaleWindowConnector(_Broken):
 class _BlockFailuresWorker(OffloadWorker):
     def __init__(self, config: EngineConfigView, rank: int, **kwargs: Any) -> None:
         super().__init__(config, rank, **kwargs)
-        self._settings = attrs.evolve(self._settings, load_fault_rate=1.0)  # every load fails
+        self._settings = msgspec.structs.replace(self._settings, load_fault_rate=1.0)  # every load fails
 
     def get_finished(self, finished_req_ids: frozenset[str]
                      ) -> tuple[frozenset[str], frozenset[str]]:
