@@ -168,3 +168,30 @@ def test_no_import_cycle_in_kvspec() -> None:
 def test_known_cycles_are_still_cycles() -> None:
     found = {frozenset(c) for c in cycles(import_graph())}
     assert [sorted(c) for c in KNOWN_CYCLES if c not in found] == []
+
+
+# Each engine is imported by its bridge alone: a module elsewhere that imported vLLM or
+# SGLang would make kvspec's default install need that engine.
+ENGINE_BRIDGES = {"vllm": "kvspec.vllm", "sglang": "kvspec.sglang"}
+
+
+def test_only_the_engine_bridges_import_their_engine() -> None:
+    bad = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        stack: list[ast.AST] = [tree]
+        while stack:  # every import, TYPE_CHECKING ones too: mypy would need the engine
+            node = stack.pop()
+            stack.extend(ast.iter_child_nodes(node))
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module]
+            else:
+                continue
+            for target in targets:
+                engine = target.split(".")[0]
+                bridge = ENGINE_BRIDGES.get(engine)
+                if bridge and name != bridge and not name.startswith(bridge + "."):
+                    bad.append(f"{name} imports {target}")
+    assert bad == []
