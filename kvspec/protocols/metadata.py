@@ -146,7 +146,7 @@ def _strict_json(data: bytes | bytearray | memoryview, wire: type[_W]) -> _W:
     and integers); raises ``ValueError`` saying what was wrong."""
     try:
         return msgspec.json.decode(bytes(data), type=wire)
-    except (msgspec.DecodeError, RecursionError) as e:  # JSON, UTF-8, types, depth
+    except (ValueError, RecursionError) as e:  # msgspec's errors, UTF-8, depth
         raise ValueError(str(e)) from None
 
 

@@ -197,7 +197,7 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"an envelope must be bytes, got {type(data).__name__}", clause=clause)
         try:
             return _ENVELOPE.decode(data)
-        except msgspec.MsgspecError as e:
+        except (msgspec.MsgspecError, ValueError, RecursionError) as e:  # ValueError: UTF-8
             raise MalformedMetadataError(
                 f"not an envelope ({e}); expected a map of type_path (str) and data (bytes)",
                 clause=clause) from None

@@ -19,7 +19,8 @@ from kvspec.backends.offload import FailedStores, OffloadMetadata, TransferJob
 from kvspec.conformance.connectors.layerwise import LayerwiseMetadata
 from kvspec.conformance.connectors.null import NullMetadata
 from kvspec.conformance.connectors.shared_storage import SharedStorageMetadata
-from kvspec.protocols import HandshakeMetadata, KVSpecError, RequestView, freeze_params
+from kvspec.conformance.connectors.tiny import TinyCacheMetadata
+from kvspec.protocols import Envelope, HandshakeMetadata, KVSpecError, RequestView, freeze_params
 
 DECODERS: dict[str, tuple[Callable[[bytes], Any], bytes]] = {
     "offload": (OffloadMetadata.decode, OffloadMetadata(
@@ -34,6 +35,8 @@ DECODERS: dict[str, tuple[Callable[[bytes], Any], bytes]] = {
     "layerwise": (LayerwiseMetadata.decode, LayerwiseMetadata().encode()),
     "handshake": (HandshakeMetadata.decode,
                   b'{"engine_id":"e","rank":0,"spec_version":"0.2","layout":{},"payload":{}}'),
+    "envelope": (Envelope.decode, Envelope("kvspec.protocols:Envelope", b"\x00").encode()),
+    "tiny": (TinyCacheMetadata.decode, TinyCacheMetadata().encode()),
     "peer-info": (PeerInfo.decode, b'{"agent":"a","metadata":"00","layout":{}}'),
 }
 

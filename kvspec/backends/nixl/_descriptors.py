@@ -406,7 +406,7 @@ class PeerInfo:
             )
         try:
             obj = msgspec.json.decode(bytes(data))
-        except (msgspec.DecodeError, RecursionError) as e:  # JSON, UTF-8, int size, depth
+        except (ValueError, RecursionError) as e:  # msgspec's errors, UTF-8, depth
             raise MalformedMetadataError(
                 f"peer info is not UTF-8 JSON: {e}", clause="HSK-005"
             ) from None
