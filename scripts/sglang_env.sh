@@ -10,9 +10,12 @@
 #   4. xgrammar==0.2.7 and triton==3.9.0 without dependencies (SGLang imports triton
 #      unconditionally; a mock triton would break torch's inductor);
 #   5. kvspec itself, editable and without dependencies, plus its light runtime and test deps.
-# No torchvision: the registry's build does not load beside torch 2.13 CPU, and the storage path
-# (mem_cache, the host pools, the backend factory) does not import sglang.srt.configs, the only
-# module that needs it.
+#   6. a stand-in `torchvision` package, written into the venv's site-packages: the registry's
+#      torchvision does not load beside torch 2.13 CPU (`operator torchvision::nms does not
+#      exist`), yet SGLang's storage path imports it at module level (mem_cache.memory_pool ->
+#      sglang.srt.configs -> multimodal helpers -> torchvision.transforms). The stand-in says
+#      it is version 0.0 (transformers parses that); any other attribute is a placeholder
+#      whose call raises ImportError, so no image code can run on it unnoticed.
 # Honours KVSPEC_SGLANG_VENV (default .venv-sglang in the checkout) and PYTHON. Exports
 # KVSPEC_SGLANG_PYTHON, the environment's interpreter.
 set -euo pipefail
@@ -43,6 +46,31 @@ if [ "$(cat "$sstamp" 2>/dev/null || true)" != "$swant" ]; then
   spip --no-deps xgrammar==0.2.7 triton==3.9.0
   spip --no-deps -e "$KVSPEC_ROOT"
   spip -c "$constraints" attrs msgspec typing-extensions safetensors pytest hypothesis
+  "$SVPY" - <<'PY'
+# The torchvision stand-in (step 6); a real torchvision, if one is importable, is left alone.
+import importlib.util, pathlib, sysconfig
+root = pathlib.Path(sysconfig.get_paths()["purelib"]) / "torchvision"
+marker = "# kvspec's import-time stand-in for torchvision"
+init = root / "__init__.py"
+if importlib.util.find_spec("torchvision") is None or init.read_text().startswith(marker):
+    stub = marker + """ (scripts/sglang_env.sh, step 6).
+__version__ = "0.0"
+class _Unavailable:
+    def __init__(self, name): self._name = name
+    def __getattr__(self, attr): return _Unavailable(self._name + "." + attr)
+    def __call__(self, *args, **kwargs):
+        raise ImportError(self._name + ": torchvision is a stand-in in kvspec's SGLang environment")
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Unavailable(__name__ + "." + name)
+"""
+    for sub in ("", "transforms", "transforms/v2", "io"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        (root / sub / "__init__.py").write_text(stub)
+    for mod in ("transforms/functional.py", "transforms/v2/functional.py"):
+        (root / mod).write_text(stub)
+PY
   "$SVPY" - <<'PY'
 import importlib.metadata as md, sys, torch
 assert torch.__version__.endswith("+cpu"), torch.__version__
