@@ -503,7 +503,7 @@ CLAUSES: tuple[Clause, ...] = (
            "The controller indexes the result by page: a short list raises in its prefetch thread and ends it for good, and a None is read as zero hits on every call, which turns the L3 tier off without a word.",
            (SGL_STORE, SGL_CTRL)),
     Clause("STO-003", MUST, "A bad object reads as a miss",
-           "A get of a key whose object is missing, shorter or longer than a page, or unreadable MUST report a miss (False, or None from get) and MUST NOT raise.",
+           "A get of a key whose object is missing, shorter than a page, or unreadable MUST report a miss (False, or None from get) and MUST NOT raise.",
            "Each of the controller's storage threads runs one loop with no restart: an exception out of a backend call ends prefetching or backup until the server restarts, while a miss costs only a recomputation.",
            (SGL_STORE, SGL_CTRL, SGL_RUN)),
     Clause("STO-004", MUST, "What exists can be read",
