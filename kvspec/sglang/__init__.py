@@ -22,12 +22,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..protocols.errors import InvalidArgumentError
-from ._config import BUILTIN_ZERO_COPY, HOST_LAYOUTS, HiCacheConfig, HiCacheTarget, parse_target
+from ._config import (
+    BUILTIN_ZERO_COPY,
+    HICACHE_EXTRA_ENV,
+    HICACHE_TARGET_ENV,
+    HOST_LAYOUTS,
+    HiCacheConfig,
+    HiCacheTarget,
+    parse_target,
+)
 
 if TYPE_CHECKING:
     from ._loader import StorageRig
 
-__all__ = ["BUILTIN_ZERO_COPY", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "open_backend",
+__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "open_backend",
            "parse_target"]
 
 

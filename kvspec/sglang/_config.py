@@ -11,7 +11,7 @@ import attrs
 
 from ..protocols.errors import InvalidArgumentError
 
-__all__ = ["BUILTIN_ZERO_COPY", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "parse_target"]
+__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "parse_target"]
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 """Host-pool layouts the suite builds (SGLang's ``page_head`` needs head splitting)."""
@@ -20,6 +20,11 @@ BUILTIN_ZERO_COPY = frozenset({"hf3fs", "mooncake", "npu_memcache", "eic", "nixl
                                "mori", "tensorcast", "seaweedfs"})
 """Built-in backend names SGLang 0.5.23's controller drives through ``batch_get_v1`` /
 ``batch_set_v1`` (the rest, ``file`` among them, through ``batch_get`` / ``batch_set``)."""
+
+HICACHE_TARGET_ENV = "KVSPEC_HICACHE_TARGET"
+"""The backend ``kvspec conform hicache:TARGET`` hands to the suite it runs."""
+HICACHE_EXTRA_ENV = "KVSPEC_HICACHE_EXTRA"
+"""That backend's extra configuration, as a JSON object."""
 
 _DTYPES = ("float16", "bfloat16", "float32")
 _TARGET = re.compile(r"^(?:(?P<name>[a-z][a-z0-9_]*)|(?P<module>[A-Za-z_][\w.]*):(?P<cls>[A-Za-z_]\w*))$")

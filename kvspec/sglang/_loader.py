@@ -133,8 +133,8 @@ class StorageRig:
             raise
         except Exception as e:
             raise ContractViolation(clause, observed=f"{method} raised {type(e).__name__}: {e}",
-                                    expected=f"{method} returns (a miss or a failure is an answer, "
-                                    "an exception kills the controller's thread)") from e
+                                    expected=f"{method} returns: a miss or a failure is an answer, an "
+                                    "exception costs SGLang's controller the whole batch") from e
 
     # -- host pages ------------------------------------------------------------------------
     def alloc(self, pages: int) -> torch.Tensor:
