@@ -30,7 +30,7 @@ sstamp="$KVSPEC_SGLANG_VENV/.kvspec-sglang-stamp"
 swant="$(cat "$KVSPEC_ROOT/scripts/sglang_env.sh" "$KVSPEC_ROOT/scripts/sglang-requirements.txt" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$sstamp" 2>/dev/null || true)" != "$swant" ]; then
   start=$(date +%s)
-  echo "kvspec: building the SGLang $KVSPEC_SGLANG_VERSION environment in $KVSPEC_SGLANG_VENV (a few minutes)" >&2
+  echo "kvspec: building the SGLang $KVSPEC_SGLANG_VERSION environment in $KVSPEC_SGLANG_VENV (about 2-3 minutes, 3.5 GB)" >&2
   [ -x "$KVSPEC_SGLANG_VENV/bin/python" ] || "$PYTHON" -m venv "$KVSPEC_SGLANG_VENV"
   SVPY="$KVSPEC_SGLANG_VENV/bin/python"
   # pip's notes on what was left out on purpose (torch pins, CUDA packages) are noise here.
@@ -71,7 +71,7 @@ def __getattr__(name):
     for mod in ("transforms/functional.py", "transforms/v2/functional.py"):
         (root / mod).write_text(stub)
 PY
-  "$SVPY" - <<'PY'
+  "$SVPY" -W ignore::UserWarning - <<'PY'
 import importlib.metadata as md, sys, torch
 assert torch.__version__.endswith("+cpu"), torch.__version__
 cuda = sorted(d.metadata["Name"] for d in md.distributions()
