@@ -102,6 +102,7 @@ DEPRECATED_SHIMS = {"vllm/engine.py": {"kvspec.bench"}}  # from kvspec.bench imp
         ("backends", ("kvspec.backends", "kvspec.protocols")),
         ("conformance", ("kvspec.conformance", "kvspec.protocols", "kvspec.spec")),
         ("vllm", ("kvspec.vllm", "kvspec.protocols")),
+        ("sglang", ("kvspec.sglang", "kvspec.protocols")),
     ],
 )
 def test_dependencies_point_one_way(package: str, may_import: tuple[str, ...]) -> None:

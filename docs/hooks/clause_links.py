@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_ID = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|GRA|DRY|HSK|ERR)-(\d{3})\b")
+_ID = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|GRA|DRY|HSK|STO|ERR)-(\d{3})\b")
 _TAG = re.compile(r"(<[^>]+>)")
 _SKIP = ("a", "code", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "script", "style")
 
@@ -20,7 +20,7 @@ def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
     if page.file.src_uri.startswith("spec/"):
         return html
     targets: dict[str, str] = {}
-    for area in ("sch", "wrk", "exe", "evt", "lay", "gra", "dry", "hsk", "err"):
+    for area in ("sch", "wrk", "exe", "evt", "lay", "kvg", "gra", "dry", "hsk", "sto", "err"):
         spec = files.get_file_from_path(f"spec/{area}.md")
         if spec is not None:
             targets[area] = spec.url_relative_to(page.file)

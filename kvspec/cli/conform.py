@@ -1,6 +1,7 @@
 """``kvspec conform [SPEC ...]``: the conformance suite against connector factories (by
 default the project's own); exits with pytest's exit code. Arguments after ``--`` go to
-pytest; ``vllm:`` connectors run under the vLLM environment."""
+pytest; ``vllm:`` connectors run under the vLLM environment, ``hicache:`` storage backends of
+SGLang under the SGLang environment."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..protocols.errors import InvalidArgumentError, TransferTimeoutError
 from ._args import device
 from ._output import unwritable
+from ._sglang_env import rerun_under_sglang
 from ._vllm_env import rerun_under_vllm
 
 if TYPE_CHECKING:
@@ -33,7 +35,8 @@ def register(commands: Commands) -> None:
                     "Arguments after -- are passed to pytest. Exits with pytest's exit code.",
     )
     c.add_argument("specs", nargs="*", metavar="SPEC",
-                   help="connector factory import path, pkg.module:Factory (repeatable)")
+                   help="connector factory import path, pkg.module:Factory (repeatable); or an "
+                        "SGLang HiCache storage backend, hicache:NAME or hicache:pkg.module:Class")
     c.add_argument("--profile", choices=["default", "full"], default="default",
                    help="'full' runs ten times the hypothesis examples")
     c.add_argument("--report", metavar="PATH",
@@ -69,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     refused = _refuse_or_configure(args)
     if refused is not None:
         return refused
+    hicache = [s for s in args.specs if s.startswith("hicache:")]
+    if hicache:
+        return _run_hicache(args, hicache)
     if any(s.startswith("vllm:") for s in args.specs):
         rerun = rerun_under_vllm("conform", args, timeout_s=5400, announce=True)
         if rerun is not None:
@@ -136,6 +142,39 @@ def _run_suite(args: argparse.Namespace) -> int:
         json.dump(dict(result.report), sys.stdout, indent=2, default=_plain_json)
         sys.stdout.write("\n")
     return result.exit_code
+
+
+def _run_hicache(args: argparse.Namespace, specs: Sequence[str]) -> int:
+    """The HiCache storage suite (kvspec.sglang) on each ``hicache:`` backend, one pytest
+    session each, under the SGLang environment; the worst exit code."""
+    if len(specs) != len(args.specs):
+        print("kvspec conform: hicache: backends and connectors run in separate commands",
+              file=sys.stderr)
+        return 2
+    rerun = rerun_under_sglang("conform", args, timeout_s=1800)
+    if rerun is not None:
+        return rerun
+    import pytest
+
+    from ..sglang import HICACHE_EXTRA_ENV, HICACHE_TARGET_ENV, parse_target
+
+    suite = Path(__file__).resolve().parents[1] / "sglang" / "_cli_suite.py"
+    code = 0
+    for spec in specs:
+        target = spec.removeprefix("hicache:")
+        try:
+            parse_target(target)
+        except InvalidArgumentError as e:
+            print(f"kvspec conform: {e}", file=sys.stderr)
+            return 2
+        os.environ[HICACHE_TARGET_ENV] = target
+        os.environ[HICACHE_EXTRA_ENV] = json.dumps(_parse_extra(args.extra, args.extra_file))
+        sys.modules.pop("kvspec.sglang._cli_suite", None)  # it reads the target at import
+        argv = [str(suite), "-p", "no:cacheprovider", "-q", *args.pytest_args]
+        if args.report and args.report != "-":
+            argv.append(f"--kvspec-report={args.report}")
+        code = max(code, int(pytest.main(argv)))
+    return code
 
 
 def _parse_extra(pairs: Sequence[str], files: Sequence[str]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ __all__ = [
     "get_clause",
 ]
 
-SPEC_VERSION = "0.2"
+SPEC_VERSION = "0.3"
 """Version of the spec text. The major part changes when a MUST clause changes meaning."""
 
 ENGINE_VERSIONS = ("vLLM 0.28", "vLLM 0.29", "vLLM 0.30", "vLLM 0.31", "vLLM 0.32", "vLLM 0.33")

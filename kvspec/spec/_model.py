@@ -9,7 +9,7 @@ import attrs
 
 __all__ = ["Area", "Clause", "Level"]
 
-_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|DRY|GRA|HSK|ERR)-(\d{3})$")
+_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|DRY|GRA|HSK|STO|ERR)-(\d{3})$")
 
 
 class Level(enum.Enum):
@@ -32,6 +32,7 @@ class Area(enum.Enum):
     DRY = "Dummy runs"
     GRA = "Graph capture and replay"
     HSK = "Handshake"
+    STO = "HiCache storage backends (SGLang)"
     ERR = "Errors and bad input"
 
     @property

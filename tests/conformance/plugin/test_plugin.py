@@ -294,7 +294,7 @@ def test_capability_skip_names_the_capability(kv: pytest.Pytester) -> None:
 def test_header_names_versions_and_connectors(kv: pytest.Pytester) -> None:
     result = run(kv, "--kvspec-conformance=conn:Good", "--kvspec-conformance=conn:Eager")
     result.stdout.fnmatch_lines([
-        "kvspec 0.1.0, spec 0.2, profile default",
+        "kvspec 0.1.0, spec 0.3, profile default",
         "kvspec connector good (conn:Good): async_loads=False, *layer_hooks=no_layer_hooks*",
         "kvspec connector eager (conn:Eager): *layer_hooks=eager*",
     ])
@@ -360,7 +360,7 @@ def test_json_report(kv: pytest.Pytester) -> None:
     assert result.ret == 1
     assert f"kvspec: wrote the JSON report to {report}" in result.stdout.str()
     data = json.loads(report.read_text())
-    assert data["kvspec_version"] == "0.1.0" and data["spec_version"] == "0.2"
+    assert data["kvspec_version"] == "0.1.0" and data["spec_version"] == "0.3"
     assert [(c["spec"], c["name"]) for c in data["connectors"]] == [
         ("conn:Good", "good"), ("conn:Bad", "bad")
     ]

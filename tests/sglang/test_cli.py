@@ -1,0 +1,45 @@
+"""``kvspec conform hicache:TARGET``: the HiCache storage suite from the command line, re-run
+under the SGLang environment when this Python has no SGLang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvspec.sglang.suite import have_sglang
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _conform(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvspec", "conform", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+@pytest.mark.skipif(have_sglang(), reason="checks the message of a Python without SGLang")
+def test_without_sglang_it_says_how_to_get_it() -> None:
+    done = _conform("hicache:file", KVSPEC_SGLANG_PYTHON=sys.executable)
+    assert done.returncode == 2
+    assert "no Python with SGLang" in done.stderr and "scripts/sglang_env.sh" in done.stderr
+
+
+def test_hicache_and_connectors_do_not_mix() -> None:
+    done = _conform("hicache:file", "kvspec.conformance.connectors.null:NullConnectorFactory")
+    assert done.returncode == 2 and "separate commands" in done.stderr
+
+
+@pytest.mark.skipif(not have_sglang(), reason="needs SGLang: run under the environment "
+                    "scripts/sglang_env.sh builds")
+def test_conform_hicache_file_names_the_broken_clause(tmp_path: Path) -> None:
+    """SGLang's file backend: every STO check passes but the damaged-object ones (STO-003)."""
+    done = _conform("hicache:file", "--report", str(tmp_path / "report.json"))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[STO-003] observed: batch_get raised OSError: Short read" in done.stdout
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and all("test_damaged_object_reads_as_a_miss" in f for f in failed)
+    assert (tmp_path / "report.json").stat().st_size > 0
