@@ -20,7 +20,7 @@ ROOT = Path(kvspec.__file__).resolve().parent
 # KVSPEC_REQUIRE_VLLM=1 makes a missing vLLM an error, not a skip).
 _VLLM_SPEC = importlib.util.find_spec("vllm")
 HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin is not None  # not tests/vllm/
-NEEDS_VLLM = {"kvspec.vllm", "kvspec.vllm.connector"}
+NEEDS_VLLM = {"kvspec.vllm", "kvspec.vllm.aggregation", "kvspec.vllm.connector"}
 if os.environ.get("KVSPEC_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
     raise RuntimeError("KVSPEC_REQUIRE_VLLM=1 but vLLM cannot be imported")
 # Deprecated aliases of moved modules: every name warns and is the moved object.
@@ -91,7 +91,9 @@ def _kvspec_imports(path: Path) -> set[str]:
 
 
 # Deprecated aliases of moved modules (one release): each may import its new home, nothing else.
-DEPRECATED_SHIMS = {"vllm/engine.py": {"kvspec.bench"}}  # from kvspec.bench import vllm_engine
+DEPRECATED_SHIMS = {  # from kvspec.bench import vllm_engine / vllm_adapter
+    "vllm/engine.py": {"kvspec.bench"}, "vllm/bench.py": {"kvspec.bench"},
+}
 
 
 @pytest.mark.parametrize(

@@ -135,12 +135,27 @@ class AggregateResult:
 
 
 def vllm_arm_factory() -> Callable[[Trace], Callable[[], tuple[float, list[set[str]]]]] | None:
-    """vLLM's arm (``kvspec.vllm``), or None when vLLM cannot be imported here."""
+    """vLLM's arm (its ``KVOutputAggregator``, through ``kvspec.vllm.aggregation``), or None
+    when vLLM cannot be imported here."""
     try:
-        from kvspec.vllm._aggregate import vllm_arm
+        from kvspec.vllm.aggregation import completions, vllm_aggregator, vllm_outputs
     except ImportError:
         return None
-    return vllm_arm
+
+    def arm(trace: Trace) -> Callable[[], tuple[float, list[set[str]]]]:
+        def run() -> tuple[float, list[set[str]]]:
+            steps = vllm_outputs(trace.reports)  # built before the clock starts
+            aggregate = vllm_aggregator(trace.ranks)
+            done = []
+            t0 = time.perf_counter()
+            for outs in steps:
+                done.append(aggregate(outs))
+            seconds = time.perf_counter() - t0
+            return seconds, [completions(out) for out in done]
+
+        return run
+
+    return arm
 
 
 def run_aggregate_bench(

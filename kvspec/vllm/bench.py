@@ -1,5 +1,5 @@
 """Deprecated (removed in the next release): the adapter's per-step measurement moved to
-``kvspec.vllm.step_cost``, its report to ``kvspec bench vllm-adapter``; ``measure`` warns
+``kvspec.bench.vllm_adapter`` (``kvspec bench vllm-adapter``); ``measure`` warns
 and returns the function from there."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ __all__ = ["measure"]
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import step_cost
+    from kvspec.bench import vllm_adapter
 
-    warnings.warn(f"kvspec.vllm.bench.{name} is deprecated: use kvspec.vllm.step_cost.{name}",
-                  DeprecationWarning, stacklevel=2)
-    return step_cost.measure
+    warnings.warn(f"kvspec.vllm.bench.{name} is deprecated: use "
+                  f"kvspec.bench.vllm_adapter.{name}", DeprecationWarning, stacklevel=2)
+    return vllm_adapter.measure

@@ -7,15 +7,14 @@ import importlib
 
 import pytest
 
-from kvspec.bench import vllm_engine
-from kvspec.vllm import step_cost
+from kvspec.bench import vllm_adapter, vllm_engine
 
 
 @pytest.mark.parametrize(("old", "new"), [
     ("kvspec.vllm.engine.EngineProcess", vllm_engine.EngineProcess),
     ("kvspec.vllm.engine.EngineError", vllm_engine.EngineError),
     ("kvspec.vllm.engine.vllm_python", vllm_engine.vllm_python),
-    ("kvspec.vllm.bench.measure", step_cost.measure),
+    ("kvspec.vllm.bench.measure", vllm_adapter.measure),
 ])
 def test_an_old_name_warns_and_is_the_moved_object(old: str, new: object) -> None:
     module, _, name = old.rpartition(".")

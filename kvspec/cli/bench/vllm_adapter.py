@@ -1,5 +1,5 @@
 """``kvspec bench vllm-adapter``: what the vLLM adapter adds to one engine step, measured
-on real vLLM objects (``kvspec.vllm.step_cost``); runs under the vLLM environment."""
+on real vLLM objects (``kvspec.bench.vllm_adapter``); runs under the vLLM environment."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     rerun = rerun_under_vllm("bench vllm-adapter", args, timeout_s=600, required=True)
     if rerun is not None:
         return rerun
-    from ...vllm.step_cost import measure
+    from ...bench.vllm_adapter import measure
 
     r = measure(args.blocks, running=args.running, repeats=args.repeats)
     if args.json:

@@ -1,38 +1,50 @@
-"""What the vLLM adapter adds to one engine step (``kvspec bench vllm-adapter`` prints it).
+"""The vLLM adapter's per-step translations on a sample step of real vLLM objects.
 
-Builds real vLLM objects for a step that touches ``blocks`` KV blocks (one request whose
-prompt fills them, plus ``running`` decoding requests), runs the adapter's translations on
-them the way ``KVSpecConnector`` does in one step, and times each part: medians of
-``repeats`` runs. The connector's own hooks are not timed, only what the adapter adds:
-vLLM objects to kvspec views, the step metadata's wire wrapping and unwrapping, the
-forward-context view, and the outputs both ways. Needs vLLM (the CLI re-runs itself under
-the vLLM environment for it).
+``adapter_step_parts`` builds a step that touches ``blocks`` KV blocks (one request whose
+prompt fills them, plus ``running`` decoding requests) and returns, as callables, each
+translation ``KVSpecConnector`` makes in such a step: vLLM objects to kvspec views, the step
+metadata's wire wrapping and unwrapping, the forward-context view, and the outputs both
+ways; plus vLLM's own work for the same request, for scale. ``kvspec bench vllm-adapter``
+(``kvspec.bench.vllm_adapter``) times them. Needs vLLM.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
-from typing import Any
 
-__all__ = ["measure"]
+import attrs
 
+__all__ = ["FIRST_SIGHT", "AdapterStep", "adapter_step_parts"]
 
-def _median_us(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+FIRST_SIGHT = "request view, first sight (copies the prompt and hashes)"
+"""The part that runs only in a request's first step."""
 
 
-def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
-            repeats: int = 200) -> dict[str, Any]:
-    """Time the adapter's per-step translations for a ``blocks``-block step; returns the
-    microseconds of each part and their sum, and the ``vllm`` version measured."""
+@attrs.frozen
+class AdapterStep:
+    """The adapter's translations of one sample step (see ``adapter_step_parts``).
+
+    Attributes:
+        blocks: KV blocks the step touches; ``block_size`` tokens each.
+        block_size: Tokens per block.
+        running: Decoding requests in the step.
+        parts: Each translation, by name, as a callable that runs it once.
+        vllm_own: vLLM's own NewRequestData and get_block_ids for the big request.
+        vllm_version: The vLLM version the objects come from.
+    """
+
+    blocks: int
+    block_size: int
+    running: int
+    parts: dict[str, Callable[[], object]]
+    vllm_own: Callable[[], object]
+    vllm_version: str
+
+
+def adapter_step_parts(blocks: int = 256, block_size: int = 32, running: int = 32
+                       ) -> AdapterStep:
+    """The adapter's translations of a ``blocks``-block step with ``running`` decoding
+    requests, as callables (see the module docstring)."""
     import vllm
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -111,23 +123,18 @@ def measure(blocks: int = 256, block_size: int = 32, running: int = 32,
         return output_from_vllm(out, stats.kvspec if isinstance(stats, StatsWire) else None,
                                 None, ())
 
-    parts = {
-        "request view, first sight (copies the prompt and hashes)": _median_us(fresh_view,
-                                                                              repeats),
-        "request views, cached (2 hooks)": _median_us(hooks_views, repeats),
-        "allocated blocks": _median_us(alloc, repeats),
-        "scheduler output view": _median_us(sched_out, repeats),
-        "step metadata wrap (scheduler)": _median_us(wrap, repeats),
-        "step metadata unwrap + forward view (worker)": _median_us(unwrap, repeats),
-        "connector output, vLLM to kvspec": _median_us(outputs, repeats),
-    }
-    steady = sum(v for k, v in parts.items() if "first sight" not in k)
-    return {"blocks": blocks, "block_size": block_size, "running": running,
-            "repeats": repeats, "parts_us": parts,
-            "per_step_us": steady,
-            "per_step_us_with_new_request": steady + parts[
-                "request view, first sight (copies the prompt and hashes)"],
-            "vllm_own_us": _median_us(
-                lambda: (NewRequestData.from_request(big, kv_blocks.get_block_ids()),
-                         kv_blocks.get_block_ids()), repeats),
-            "vllm": vllm.__version__}
+    return AdapterStep(
+        blocks=blocks, block_size=block_size, running=running,
+        parts={
+            FIRST_SIGHT: fresh_view,
+            "request views, cached (2 hooks)": hooks_views,
+            "allocated blocks": alloc,
+            "scheduler output view": sched_out,
+            "step metadata wrap (scheduler)": wrap,
+            "step metadata unwrap + forward view (worker)": unwrap,
+            "connector output, vLLM to kvspec": outputs,
+        },
+        vllm_own=lambda: (NewRequestData.from_request(big, kv_blocks.get_block_ids()),
+                          kv_blocks.get_block_ids()),
+        vllm_version=vllm.__version__,
+    )
