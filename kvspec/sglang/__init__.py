@@ -27,6 +27,7 @@ from ._config import (
     HICACHE_EXTRA_ENV,
     HICACHE_TARGET_ENV,
     HOST_LAYOUTS,
+    KVSPEC_BACKEND,
     HiCacheConfig,
     HiCacheTarget,
     parse_target,
@@ -35,7 +36,7 @@ from ._config import (
 if TYPE_CHECKING:
     from ._loader import StorageRig
 
-__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "open_backend",
+__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "KVSPEC_BACKEND", "HiCacheConfig", "HiCacheTarget", "open_backend",
            "parse_target"]
 
 

@@ -11,7 +11,7 @@ import attrs
 
 from ..protocols.errors import InvalidArgumentError
 
-__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "parse_target"]
+__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "KVSPEC_BACKEND", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "parse_target"]
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 """Host-pool layouts the suite builds (SGLang's ``page_head`` needs head splitting)."""
@@ -110,18 +110,25 @@ class HiCacheTarget:
     name: str
     module_path: str | None = None
     class_name: str | None = None
+    defaults: tuple[tuple[str, Any], ...] = ()
+    """Extra configuration the backend is loaded with unless the user's overrides it."""
 
     def zero_copy(self, extra_config: Mapping[str, Any]) -> bool:
         """Whether SGLang's controller would drive this backend through the zero-copy
         ``batch_get_v1`` / ``batch_set_v1`` (else the generic ``batch_get`` / ``batch_set``)."""
         if self.name == "dynamic":
-            return bool(extra_config.get("interface_v1", 0))
+            return bool({**dict(self.defaults), **extra_config}.get("interface_v1", 0))
         return self.name in BUILTIN_ZERO_COPY
 
 
+KVSPEC_BACKEND = HiCacheTarget("kvspec", "dynamic", "kvspec.sglang.backend", "KVSpecHiCacheStorage",
+                               (("interface_v1", 1),))
+"""``kvspec``: kvspec's own backend, loaded as SGLang's ``dynamic`` option loads it, zero copy."""
+
+
 def parse_target(spec: str) -> HiCacheTarget:
-    """Parse ``file`` / ``nixl`` (a built-in name) or ``pkg.module:Class`` (as SGLang's
-    ``dynamic`` backend loads it).
+    """Parse ``file`` / ``nixl`` (a built-in name), ``kvspec`` (kvspec's own backend,
+    ``KVSPEC_BACKEND``) or ``pkg.module:Class`` (as SGLang's ``dynamic`` backend loads it).
 
     Raises:
         InvalidArgumentError: ``spec`` is neither.
@@ -130,6 +137,8 @@ def parse_target(spec: str) -> HiCacheTarget:
     if m is None:
         raise InvalidArgumentError(f"a HiCache backend is a built-in name (file, nixl) or "
                                    f"'pkg.module:Class', got {spec!r}")
+    if spec == KVSPEC_BACKEND.spec:
+        return KVSPEC_BACKEND
     if m.group("name"):
         return HiCacheTarget(spec, m.group("name"))
     return HiCacheTarget(spec, "dynamic", m.group("module"), m.group("cls"))

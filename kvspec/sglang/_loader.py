@@ -51,7 +51,8 @@ def make_storage_config(config: HiCacheConfig, target: HiCacheTarget, storage_di
     ``dynamic`` loader's three fields."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    extra: dict[str, Any] = {"file_storage_path": str(storage_dir), **config.extra_config}
+    extra: dict[str, Any] = {"file_storage_path": str(storage_dir), **dict(target.defaults),
+                             **config.extra_config}
     if target.name == "dynamic":
         extra.update(backend_name=target.spec, module_path=target.module_path,
                      class_name=target.class_name)
