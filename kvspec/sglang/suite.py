@@ -200,6 +200,7 @@ class HiCacheStorageSuite:
         keys = _keys("bad", 3)
         src = rig.alloc(3)
         rig.fill(src, seed=3)
+        empty = _object_files(store)
         rig.store(keys[:1], src[:rig.config.page_size])
         before = _object_files(store)
         rig.store(keys[1:2], src[rig.config.page_size:2 * rig.config.page_size])
@@ -207,6 +208,9 @@ class HiCacheStorageSuite:
         if len(new) != 1:
             pytest.skip(f"{self.target!r} wrote {len(new)} files under its storage directory for "
                         "one page; the suite damages only one-file-per-page stores")
+        # A file that page 0's store wrote too holds several pages: the damage reaches pages
+        # the suite cannot name, so only "no exception, one entry per key" is checked.
+        shared = empty.get(new[0]) != before.get(new[0])
         rig.store(keys[2:], src[2 * rig.config.page_size:])
         size = new[0].stat().st_size
         os.truncate(new[0], size // 2 if damage == "truncated" else 0)
@@ -216,6 +220,10 @@ class HiCacheStorageSuite:
             if entry is None or entry is False:
                 break
             hits += 1
+        if shared:
+            _check(isinstance(got, list) and len(got) == 3, "STO-002",
+                   f"the load after damaging the shared file answered {got!r}", "3 entries")
+            return
         _check(hits == 1, "STO-003", f"{hits} leading hits with page 1 {damage}",
                                 "1 (page 0, then a miss)")
 
