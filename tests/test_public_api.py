@@ -21,6 +21,10 @@ ROOT = Path(kvspec.__file__).resolve().parent
 _VLLM_SPEC = importlib.util.find_spec("vllm")
 HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin is not None  # not tests/vllm/
 NEEDS_VLLM = {"kvspec.vllm", "kvspec.vllm.aggregation", "kvspec.vllm.connector"}
+# kvspec.sglang.backend subclasses SGLang's HiCacheStorage: checked where SGLang is installed.
+_SGLANG_SPEC = importlib.util.find_spec("sglang")
+HAVE_SGLANG = _SGLANG_SPEC is not None and _SGLANG_SPEC.origin is not None  # not tests/sglang/
+NEEDS_SGLANG = {"kvspec.sglang.backend"}
 if os.environ.get("KVSPEC_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
     raise RuntimeError("KVSPEC_REQUIRE_VLLM=1 but vLLM cannot be imported")
 # Deprecated aliases of moved modules: every name warns and is the moved object.
@@ -30,7 +34,8 @@ MOVED_MODULES = {
 PUBLIC_MODULES = sorted(
     m.name for m in pkgutil.walk_packages([str(ROOT)], "kvspec.")
     if not any(part.startswith("_") for part in m.name.split("."))
-    and (HAVE_VLLM or m.name not in NEEDS_VLLM) and m.name not in MOVED_MODULES
+    and (HAVE_VLLM or m.name not in NEEDS_VLLM) and (HAVE_SGLANG or m.name not in NEEDS_SGLANG)
+    and m.name not in MOVED_MODULES
 )
 
 

@@ -170,6 +170,7 @@ class KVSpecHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return n
 
     def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored (False when the store cannot answer in time)."""
         return self.batch_exists([key]) == 1
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -181,6 +182,8 @@ class KVSpecHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self._load(keys, [self._page(int(i)) for i in firsts])
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """Generic: the page of ``key`` (in ``target_location`` when that is a contiguous
+        page), or None on a miss."""
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
@@ -224,10 +227,12 @@ class KVSpecHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
+        """Generic: store the flat page ``value``; False when it was not stored."""
         return self._save([key], [self._flat(value)])[0]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
+        """Generic: store each flat page; True only when every one was stored."""
         values = list(values or [])
         return len(values) == len(keys) and all(self._save(keys, [self._flat(v) for v in values]))
 
