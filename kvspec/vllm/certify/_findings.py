@@ -161,7 +161,7 @@ FINDINGS: tuple[Finding, ...] = (
         also=("NixlPullConnector", "NixlPushConnector", "MultiConnector"),
     ),
     Finding(
-        "NX-2", "NixlConnector", None, r"cannot be partitioned into NIXL regions",
+        "NX-2", "NixlConnector", "LAY-003", r"cannot be partitioned into NIXL regions",
         "kvspec stricter",
         "It refuses KV tensors that hold more blocks than the budget",
         "`register_kv_caches` asserts that each layer's tensor holds exactly "
