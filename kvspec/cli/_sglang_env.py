@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from ._vllm_env import RERUN_ENV
+from ._vllm_env import RERUN_ENV, run_again
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,10 +43,4 @@ def rerun_under_sglang(command: str, args: argparse.Namespace, *, timeout_s: int
         return 2
     print(f"kvspec {command}: SGLang is not importable here; running under {python}",
           file=sys.stderr, flush=True)
-    env = dict(os.environ, **{RERUN_ENV: "1"})
-    try:
-        return subprocess.run([python, "-m", "kvspec", *args.argv], timeout=timeout_s,
-                              check=False, env=env).returncode
-    except subprocess.TimeoutExpired:
-        print(f"kvspec {command}: timed out after {timeout_s} s", file=sys.stderr)
-        return 1
+    return run_again(python, command, args, timeout_s)

@@ -45,6 +45,13 @@ def rerun_under_vllm(command: str, args: argparse.Namespace, *, timeout_s: int,
     if announce:
         print(f"kvspec {command}: vLLM is not importable here; running under {python}",
               file=sys.stderr, flush=True)
+    return run_again(python, command, args, timeout_s)
+
+
+def run_again(python: str, command: str, args: argparse.Namespace, timeout_s: int) -> int:
+    """Run this command line (``args.argv``) under ``python``, marked as the re-run
+    (``RERUN_ENV``); its exit code, or 1 after ``timeout_s``. Every engine environment's
+    re-run goes through here."""
     env = dict(os.environ, **{RERUN_ENV: "1"})
     try:
         return subprocess.run([python, "-m", "kvspec", *args.argv], timeout=timeout_s,
