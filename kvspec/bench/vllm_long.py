@@ -18,7 +18,9 @@ finish and be reported, then pass 2 is timed (time to first token, one token gen
 The no-work floor is the same engine's time for a prompt shorter than a block. kvspec's
 bytes loaded and the time its copies took come from the worker's own counters; the memcpy
 ceiling is one contiguous copy of the same number of bytes in the same engine process, in
-the same round. Tokens are checked against the recompute engine. No vLLM import here.
+the same round, with 512 MiB of other memory written first (cold: from and to memory, as
+the load copies); the same copy with its buffers in the CPU caches (warm) is printed too.
+Tokens are checked against the recompute engine. No vLLM import here.
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ _FLUSH_STEPS = 8
 TARGETS = {"over_floor_vs_example": 0.5, "ttft_vs_recompute": 0.3, "bandwidth_vs_memcpy": 0.7}
 """kvspec's targets at 2048 prompt tokens and beyond (issue 32): its hit's time over the
 no-work floor at most 0.5x ExampleConnector's, its time to first token at most 0.3x
-recompute's, its load at least 0.7x the same-run memcpy bandwidth."""
+recompute's, its load at least 0.7x the same-run memcpy bandwidth. The memcpy judged is
+the cold one: a copy of as many bytes from and to memory outside the CPU caches, the state
+a load's source is in (its host slots were written a request ago). The warm memcpy, whose
+buffers the untimed first copy left in the caches (32 MiB of L3 on the CI machine, as big
+as a 2064-token load), is printed beside it and judges nothing."""
 
 
 @attrs.frozen
@@ -116,18 +122,19 @@ class LongResult:
 
     def ratios(self) -> dict[str, dict[int, float]]:
         """Per length: kvspec's time over the floor / the other connector's, kvspec's time to
-        first token / recompute's, kvspec's load GB/s / memcpy's."""
+        first token / recompute's, kvspec's load GB/s / the cold memcpy's (the target) and / the
+        warm memcpy's (no target)."""
         o, k, r = self.other.over_floor_ms, self.ours.over_floor_ms, self.recompute.ttft_ms
+        cold, warm = self.ours.cold_memcpy_gbps, self.ours.memcpy_gbps
         out = {
             "over_floor_vs_example": {n: k[n] / max(o[n], 1e-3) for n in k},
             "ttft_vs_recompute": {n: self.ours.ttft_ms[n] / r[n] for n in r},
-            "bandwidth_vs_memcpy": {n: self.ours.load_gbps[n] / self.ours.memcpy_gbps[n]
-                                    for n in self.ours.load_gbps if self.ours.memcpy_gbps.get(n)},
+            "bandwidth_vs_memcpy": {n: self.ours.load_gbps[n] / cold[n]
+                                    for n in self.ours.load_gbps if cold.get(n)},
+            # information: a ceiling the cache inflates where the bytes fit in it
+            "bandwidth_vs_warm_memcpy": {n: self.ours.load_gbps[n] / warm[n]
+                                         for n in self.ours.load_gbps if warm.get(n)},
         }
-        cold = self.ours.cold_memcpy_gbps
-        if cold:  # information: the target stays against the (cache-warm) memcpy
-            out["bandwidth_vs_cold_memcpy"] = {n: self.ours.load_gbps[n] / cold[n]
-                                               for n in self.ours.load_gbps if cold.get(n)}
         if self.engine is not None:
             kn, on = self.net_ms(self.ours), self.net_ms(self.other)
             out["net_vs_example"] = {n: kn[n] / max(on[n], 1e-3) for n in kn}
@@ -156,8 +163,8 @@ class LongResult:
                    f"{BLOCK_BYTES >> 10} KiB a block; medians of {self.options.rounds} rounds x "
                    f"{self.options.hit_repeats} hits): time to first token (ms)"]
         header = ["prompt", f"{RECOMPUTE}", f"{self.other.name}", "over floor",
-                  f"{self.ours.name}", "over floor", "MiB loaded", "load GB/s", "memcpy GB/s",
-                  "cold memcpy GB/s"]
+                  f"{self.ours.name}", "over floor", "MiB loaded", "load GB/s", "cold memcpy GB/s",
+                  "warm memcpy GB/s"]
         rows = []
         for n in self.options.lengths:
             rows.append([
@@ -165,8 +172,9 @@ class LongResult:
                 f"{self.other.over_floor_ms[n]:.1f}", f"{self.ours.ttft_ms[n]:.1f}",
                 f"{self.ours.over_floor_ms[n]:.1f}",
                 f"{self.ours.bytes_loaded.get(n, 0) / (1 << 20):.0f}",
-                f"{self.ours.load_gbps.get(n, 0.0):.2f}", f"{self.ours.memcpy_gbps.get(n, 0.0):.2f}",
-                f"{self.ours.cold_memcpy_gbps.get(n, 0.0):.2f}"])
+                f"{self.ours.load_gbps.get(n, 0.0):.2f}",
+                f"{self.ours.cold_memcpy_gbps.get(n, 0.0):.2f}",
+                f"{self.ours.memcpy_gbps.get(n, 0.0):.2f}"])
         out += markdown_table(header, rows).splitlines()
         out.append("  no-work floor: " + ", ".join(
             f"{a.name} {a.floor_ms:.2f} ms" for a in (self.recompute, self.other, self.ours)))
@@ -186,9 +194,10 @@ class LongResult:
         names = {"over_floor_vs_example": f"kvspec / {self.other.name}, time over the floor",
                  "net_vs_example": f"kvspec / {self.other.name}, net connector part",
                  "ttft_vs_recompute": "kvspec / recompute, time to first token",
-                 "bandwidth_vs_memcpy": "kvspec load / memcpy, GB/s",
-                 "bandwidth_vs_cold_memcpy": "kvspec load / cold memcpy (caches evicted "
-                                             "first; no target), GB/s"}
+                 "bandwidth_vs_memcpy": "kvspec load / cold memcpy (from and to memory, "
+                                        "as the load), GB/s",
+                 "bandwidth_vs_warm_memcpy": "kvspec load / warm memcpy (buffers in the CPU "
+                                             "caches; no target), GB/s"}
         for key, title in names.items():
             if key not in ratios:
                 continue

@@ -98,6 +98,6 @@ def _chart_long(path: str, long: LongResult) -> None:
         [("over the floor / ExampleConnector's", list(
             long_ratios["over_floor_vs_example"].values())),
          ("TTFT / recompute's", list(long_ratios["ttft_vs_recompute"].values())),
-         ("load / memcpy bandwidth", [long_ratios["bandwidth_vs_memcpy"].get(n, 0.0)
+         ("load / cold memcpy bandwidth", [long_ratios["bandwidth_vs_memcpy"].get(n, 0.0)
                                       for n in long.options.lengths])],
         targets=[("0.3", 0.3), ("0.5", 0.5), ("0.7", 0.7)]))
