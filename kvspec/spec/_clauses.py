@@ -218,6 +218,10 @@ CLAUSES: tuple[Clause, ...] = (
            "Worker metadata returned by build_connector_worker_meta MUST be None or an object whose aggregate method combines it with another rank's, and that aggregation MUST be associative.",
            "The executor folds the ranks' metadata in rank order and must get the same result however it groups them.",
            (V028_033, SEED001)),
+    Clause("WRK-017", MUST, "No write into freed blocks",
+           "A worker MUST NOT write into a block after the engine freed it. A copy that may still write after its load was reported failed (WRK-014), because it hangs where the connector cannot stop it, MUST keep its request's blocks held, through a delayed free (SCH-016) reported in finished_sending only once the copy has ended, or copy through memory the connector owns and discard the late result.",
+           "A load reported failed at its deadline is recomputed and its request may finish; a copy that ends later writes another request's KV into blocks the engine handed out again, which silently corrupts that request. vLLM frees a finished request's blocks at once unless request_finished delays it, and frees a receiving request's blocks once finished_recving is reported.",
+           (V028_033, V032_RUN)),
     # ------------------------------------------------------------------ EXE
     Clause("EXE-001", MUST, "Exactly-once completion",
            "The executor MUST report a request in the aggregated finished_sending or finished_recving exactly once per direction, in the step in which the last expected rank reported it.",

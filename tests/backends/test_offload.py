@@ -470,15 +470,15 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
     meta = OffloadMetadata(
         loads=(TransferJob.of("r1", ((1, 0, 1), (2, -1, 2)), True),),
         stores=(TransferJob.of("r2", ((3, 5, 3),), False),),
-        aborted_loads=("r3",),
+        aborted_loads=("r3",), held=("r4",),
     )
     good = meta.encode()
     assert OffloadMetadata.decode(good) == meta
     assert OffloadMetadata.decode(bytearray(good)) == meta
     assert OffloadMetadata.decode(OffloadMetadata().encode()) == OffloadMetadata()
     wire = msgspec.msgpack.decode(good)
-    assert wire == ["kvspec.offload", 3, [["r1", [1, 2], [0, -1], [1, 2], []]],
-                    [["r2", [3], [5], 3, []]], ["r3"]]  # one tag: every block's; one group
+    assert wire == ["kvspec.offload", 4, [["r1", [1, 2], [0, -1], [1, 2], []]],
+                    [["r2", [3], [5], 3, []]], ["r3"], ["r4"]]  # one tag: every block's
     same = OffloadMetadata(stores=(TransferJob.of("r", ((4, 1, 9), (2, 0, 9)), False),))
     assert msgspec.msgpack.decode(same.encode())[3] == [["r", [4, 2], [1, 0], 9, []]]
     assert OffloadMetadata.decode(same.encode()) == same
@@ -497,7 +497,8 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
         b"", b"[]", b"\xff" * 12, b"\x80\x04garbage", good[:-1], good + b"\0",
         b"\xdd\xff\xff\xff\xff" + good[1:],  # an array claiming 2**32 - 1 elements
         good.replace(b"\xa2r1", b"\xa2\xff\xfe"),  # a request id that is not UTF-8
-        msgspec.msgpack.encode(wire[:4]), msgspec.msgpack.encode([*wire, []]),
+        msgspec.msgpack.encode(wire[:5]), msgspec.msgpack.encode([*wire, []]),
+        msgspec.msgpack.encode([wire[0], 3, *wire[2:5]]),  # version 3: no held list
         edit((0,), "other"), edit((1,), 1), edit((1,), True),
         edit((2, 0, 0), ""), edit((2, 0, 0), 7), edit((4, 0), ""),
         edit((3, 0, 2, 0), -1),  # a store needs a real slot
@@ -517,7 +518,8 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
         edit((3, 0, 1, 0), -5), edit((3, 0, 1, 0), 1 << 63), edit((3, 0, 3), 1 << 63),
         edit((2, 0, 2, 0), -(1 << 63)),
         edit((2,), [["r1", [1], [0], [1], []], ["r1", [2], [1], [1], []]]),  # a request twice
-        edit((4,), ["r3", "r3"]),
+        edit((4,), ["r3", "r3"]), edit((5,), ["r4", "r4"]), edit((5, 0), ""),
+        edit((5,), "r4"),
     ):
         with pytest.raises(MalformedMetadataError, match="ERR-005"):
             OffloadMetadata.decode(bad)

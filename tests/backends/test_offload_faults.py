@@ -192,8 +192,10 @@ def test_the_engine_recomputes_and_everything_is_released(
 ) -> None:
     """A whole engine (the reference harness, which checks every KV byte the model reads):
     pass 1 stores, pass 2 would hit, but every load fails (injected faults) or the first
-    load's copy hangs. Every request finishes with correct KV, recomputed; afterwards the
-    threads, file descriptors and host pool are back to their baseline."""
+    load's copy hangs for a second past its deadline. Every request finishes with correct
+    KV, recomputed; the hung copy's request keeps its blocks until the copy ended (the
+    engine checks that nothing writes a freed block, WRK-017); afterwards the threads,
+    file descriptors and host pool are back to their baseline."""
     extra: dict[str, Any] = {"offload_slots": 64, "io_timeout_s": DEADLINE_S}
     if fault == "load-faults":
         extra["load_fault_rate"] = 1.0
@@ -206,10 +208,16 @@ def test_the_engine_recomputes_and_everything_is_released(
         first = engine.run(Workload([RequestSpec(f"a{i}", p, max_new_tokens=2)
                                      for i, p in enumerate(prompts)], name="store"))
         assert len(first.finished) == 4
-        if fault == "stuck-load":
+        release = threading.Timer(DEADLINE_S + 1.0, hang.release, ("load",))
+        if fault == "stuck-load":  # the copy ends a second after its deadline
             hang.arm("load")
+            release.start()
+        start = time.monotonic()
         second = engine.run(Workload([RequestSpec(f"b{i}", p, max_new_tokens=2)
                                       for i, p in enumerate(prompts)], name="hit"))
+        if fault == "stuck-load":  # the hung copy's request was held until it ended
+            assert time.monotonic() - start > DEADLINE_S + 0.9
+        release.cancel()
         assert {f"b{i}" for i in range(4)} <= set(second.finished)
         worker = engine.workers.runtime.connector  # type: ignore[attr-defined]
         assert isinstance(worker, OffloadWorker)

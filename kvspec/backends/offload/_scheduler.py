@@ -57,7 +57,7 @@ MEDIUM = "CPU"
 """The ``medium`` of the backend's ``BlockStored`` / ``BlockRemoved`` events (EVT-005)."""
 
 _META_KIND = "kvspec.offload"
-_META_VERSION = 3
+_META_VERSION = 4
 
 
 # ----------------------------------------------------------------------------- settings
@@ -272,12 +272,13 @@ _LoadSlots = Annotated[
 _Tags = _Int | _Column  # an int: every block's tag
 _Groups = tuple[tuple[_Int, ...], ...]  # empty with one KV-cache group
 # The layout ``OffloadMetadata.encode`` writes: kind, version (``_META_KIND``,
-# ``_META_VERSION``), loads, stores, aborted loads.
+# ``_META_VERSION``), loads, stores, aborted loads, held requests.
 _WIRE_DECODER = msgspec.msgpack.Decoder(tuple[
-    Literal["kvspec.offload"], Literal[3],
+    Literal["kvspec.offload"], Literal[4],
     tuple[tuple[_ReqId, _Column, _LoadSlots, _Tags, _Groups], ...],  # loads
     tuple[tuple[_ReqId, _Column, _Column, _Tags, _Groups], ...],  # stores: no slot -1
-    tuple[_ReqId, ...],
+    tuple[_ReqId, ...],  # aborted loads
+    tuple[_ReqId, ...],  # held
 ])
 _WIRE_ENCODER = msgspec.msgpack.Encoder()
 
@@ -319,6 +320,9 @@ class OffloadMetadata:
             (SCH-016).
         aborted_loads: Requests finished while their load was in flight (SCH-021); the
             workers still report each in ``finished_recving`` once.
+        held: Finished requests whose blocks the scheduler role holds because a rank
+            reported their load late (``FailedStores.late_loads``, WRK-017): every worker
+            reports each in ``finished_sending`` once no copy of it runs on its rank.
 
     Encodes to MessagePack through msgspec (``encode``); ``decode`` accepts exactly that
     and validates every field (ERR-005, ERR-006).
@@ -330,6 +334,7 @@ class OffloadMetadata:
     loads: tuple[TransferJob, ...] = ()
     stores: tuple[TransferJob, ...] = ()
     aborted_loads: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         for name, load in (("loads", True), ("stores", False)):
@@ -343,39 +348,40 @@ class OffloadMetadata:
             ids = [j.request_id for j in value]
             if len(set(ids)) != len(ids):
                 raise InvalidArgumentError(f"{name} names a request twice", clause="SCH-013")
-        if not isinstance(self.aborted_loads, tuple) or not all(
-            isinstance(r, str) and r for r in self.aborted_loads
-        ) or len(set(self.aborted_loads)) != len(self.aborted_loads):
-            raise InvalidArgumentError(
-                f"aborted_loads must be a tuple of distinct request ids, got "
-                f"{self.aborted_loads!r}"
-            )
+        for name in ("aborted_loads", "held"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(
+                isinstance(r, str) and r for r in ids
+            ) or len(set(ids)) != len(ids):
+                raise InvalidArgumentError(
+                    f"{name} must be a tuple of distinct request ids, got {ids!r}")
 
     @classmethod
     def _trusted(cls, loads: tuple[TransferJob, ...], stores: tuple[TransferJob, ...],
-                 aborted_loads: tuple[str, ...]) -> Self:
+                 aborted_loads: tuple[str, ...], held: tuple[str, ...] = ()) -> Self:
         """Build from jobs the caller built and checked (the scheduler's own, or the
         decoder's after it checked that no request repeats), without checking again."""
         meta = object.__new__(cls)
         object.__setattr__(meta, "loads", loads)
         object.__setattr__(meta, "stores", stores)
         object.__setattr__(meta, "aborted_loads", aborted_loads)
+        object.__setattr__(meta, "held", held)
         return meta
 
     @property
     def is_empty(self) -> bool:
         """True when the metadata describes nothing."""
-        return not (self.loads or self.stores or self.aborted_loads)
+        return not (self.loads or self.stores or self.aborted_loads or self.held)
 
     def encode(self) -> bytes:
         """Encode as plain data, no pickle (ERR-006): one MessagePack array
-        ``["kvspec.offload", 3, loads, stores, aborted_loads]``, each job an array
+        ``["kvspec.offload", 4, loads, stores, aborted_loads, held]``, each job an array
         ``[request_id, block_ids, slots, tags, groups]`` of its columns (arrays of ints;
         ``tags`` one int when every block has that tag, as in every job the scheduler
         builds from one store; ``groups`` an array of columns, empty with one group)."""
         return _WIRE_ENCODER.encode((
             _META_KIND, _META_VERSION, [_wire_job(j) for j in self.loads],
-            [_wire_job(j) for j in self.stores], self.aborted_loads,
+            [_wire_job(j) for j in self.stores], self.aborted_loads, self.held,
         ))
 
     @classmethod
@@ -393,13 +399,14 @@ class OffloadMetadata:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             _malformed(f"expected bytes, got {type(data).__name__}")
         try:
-            _, _, loads, stores, aborted = _WIRE_DECODER.decode(data)
-            for name, wire in (("loads", loads), ("stores", stores), ("aborted_loads", aborted)):
+            _, _, loads, stores, aborted, held = _WIRE_DECODER.decode(data)
+            for name, wire in (("loads", loads), ("stores", stores), ("aborted_loads", aborted),
+                               ("held", held)):
                 if len(wire) > 1 and len({w if type(w) is str else w[0] for w in wire}) != len(
                         wire):
                     _malformed(f"{name} names a request twice (SCH-013)")
             return cls._trusted(tuple([_job(j, True) for j in loads]),
-                                tuple([_job(j, False) for j in stores]), aborted)
+                                tuple([_job(j, False) for j in stores]), aborted, held)
         except MalformedMetadataError:
             raise
         except InvalidArgumentError as e:
@@ -424,8 +431,6 @@ def _id_set(ids: Iterable[str]) -> frozenset[str]:
 
 
 _MAX_FAILED_BYTES = 1 << 24
-_FAILED_DECODER = msgspec.json.Decoder(
-    Annotated[list[_ReqId], msgspec.Meta(min_length=1)])
 
 
 def _pick(container: Mapping[Any, int] | Sequence[int], keys: Sequence[Any]) -> tuple[int, ...]:
@@ -438,28 +443,46 @@ def _pick(container: Mapping[Any, int] | Sequence[int], keys: Sequence[Any]) -> 
     return picked if len(keys) > 1 else (picked,)
 
 
+class _LateWire(msgspec.Struct, forbid_unknown_fields=True):
+    """``FailedStores`` on the wire when it names late loads (a JSON object)."""
+
+    late_loads: Annotated[list[_ReqId], msgspec.Meta(min_length=1)]
+    failed_stores: list[_ReqId] = []
+
+
 @attrs.frozen
 class FailedStores:
-    """Worker metadata of the offload backend: the stores of this step that failed on a
-    rank (WRK-016). Ranks combine by union: a block one rank could not store is not stored.
+    """Worker metadata of the offload backend (WRK-016): the stores of this step that failed
+    on a rank, and the loads whose copy was still running when they were reported failed
+    (late loads, WRK-017). Ranks combine by union: a block one rank could not store is not
+    stored, and a request whose copy is late on any rank keeps its blocks held.
 
     Attributes:
         request_ids: The requests whose store failed.
+        late_loads: The requests whose load was reported failed at its deadline while its
+            copy still ran: the scheduler role holds their blocks with a delayed free when
+            they finish (``OffloadMetadata.held``), until every rank reports them in
+            ``finished_sending`` once the copy ended.
     """
 
     request_ids: frozenset[str] = attrs.field(converter=_id_set)
+    late_loads: frozenset[str] = attrs.field(default=frozenset(), converter=_id_set)
 
     def aggregate(self, other: FailedStores) -> FailedStores:
-        """The union of both ranks' failed stores."""
+        """The union of both ranks' failed stores and late loads."""
         if not isinstance(other, FailedStores):
             raise InvalidArgumentError(
                 f"cannot aggregate FailedStores with {type(other).__name__}", clause="EVT-007"
             )
-        return FailedStores(self.request_ids | other.request_ids)
+        return FailedStores(self.request_ids | other.request_ids,
+                            self.late_loads | other.late_loads)
 
     def encode(self) -> bytes:
-        """A JSON list of the request ids, sorted, to cross a process boundary (EVT-009)."""
-        return msgspec.json.encode(sorted(self.request_ids))
+        """JSON, to cross a process boundary (EVT-009): the sorted list of failed stores;
+        with late loads, an object ``{"late_loads": [...], "failed_stores": [...]}``."""
+        if not self.late_loads:
+            return msgspec.json.encode(sorted(self.request_ids))
+        return msgspec.json.encode(_LateWire(sorted(self.late_loads), sorted(self.request_ids)))
 
     @classmethod
     def decode(cls, data: bytes) -> FailedStores:
@@ -477,12 +500,20 @@ class FailedStores:
                 f"FailedStores is {len(data)} bytes; expected at most {_MAX_FAILED_BYTES}",
                 clause="ERR-005")
         try:
-            return cls(frozenset(_FAILED_DECODER.decode(data)))
+            wire = _FAILED_DECODER.decode(data)
         except (msgspec.MsgspecError, ValueError) as e:  # ValueError: a str not UTF-8
             raise MalformedMetadataError(
                 f"FailedStores is malformed: {e}; expected a non-empty JSON list of request "
-                "ids", clause="ERR-005"
+                "ids, or an object of late_loads (non-empty) and failed_stores",
+                clause="ERR-005"
             ) from None
+        if isinstance(wire, _LateWire):
+            return cls(frozenset(wire.failed_stores), frozenset(wire.late_loads))
+        return cls(frozenset(wire))
+
+
+_FAILED_DECODER = msgspec.json.Decoder(
+    Annotated[list[_ReqId], msgspec.Meta(min_length=1)] | _LateWire)
 
 
 class _Record(NamedTuple):
@@ -603,6 +634,9 @@ class OffloadScheduler(SchedulerConnector):
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
         self._pending_aborts: list[str] = []
+        self._late: set[str] = set()  # running requests a rank reported a late load of
+        self._holding: set[str] = set()  # finished, held for a late load (WRK-017)
+        self._pending_held: list[str] = []
         self._sync_loaded: dict[int, tuple[bytes, int]] = {}  # block id -> last sync load
         self._events: list[KVCacheEvent | _Record] = []  # stores: events built on take
         self._counters: Counter[str] = Counter()
@@ -879,7 +913,9 @@ class OffloadScheduler(SchedulerConnector):
         Slots come from the free list, else from evicting unpinned stored blocks (queued
         ``BlockRemoved``); blocks that find no slot are not stored. A request whose load is
         still in flight is not stored, and the next metadata names it in ``aborted_loads``
-        (SCH-021).
+        (SCH-021). A request a rank reported a late load of (its copy may still write the
+        blocks) is held too: ``(True, None)``, and the next metadata names it in ``held``
+        (WRK-017).
 
         Raises:
             UnknownRequestError: the request was never seen or already finished (SCH-028).
@@ -934,10 +970,15 @@ class OffloadScheduler(SchedulerConnector):
         if rid in self._loading:
             self._pending_aborts.append(rid)
             return stored_before, None
+        held = rid in self._late  # a copy may still write its blocks: hold them (WRK-017)
+        if held:
+            self._late.discard(rid)
+            self._holding.add(rid)
+            self._pending_held.append(rid)
         full = min(len(request.block_hashes), request.num_computed_tokens // self._block_size,
                    len(block_ids), *map(len, groups))
         planned = self._plan_store(request, block_ids, 0, full, groups, (0,) * len(groups))
-        return planned or stored_before, None
+        return planned or stored_before or held, None
 
     def _plan_store(
         self, request: RequestView, block_ids: Sequence[int], start: int, full: int,
@@ -1045,13 +1086,15 @@ class OffloadScheduler(SchedulerConnector):
         for name, jobs in (("loads", loads), ("stores", stores)):
             if len(jobs) > 1 and len({j.request_id for j in jobs}) != len(jobs):
                 raise InvalidArgumentError(f"{name} names a request twice", clause="SCH-013")
-        meta = OffloadMetadata._trusted(loads, stores, tuple(self._pending_aborts))
+        meta = OffloadMetadata._trusted(loads, stores, tuple(self._pending_aborts),
+                                        tuple(self._pending_held))
         if self._settings.sync_loads:  # done in this step, before any later store runs
             for job in self._pending_loads:
                 self._unpin(job.request_id)
         self._pending_loads.clear()
         self._pending_stores.clear()
         self._pending_aborts.clear()
+        self._pending_held.clear()
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -1061,7 +1104,9 @@ class OffloadScheduler(SchedulerConnector):
         unpin the loads in ``finished_recving``, dropping the blocks of failed loads named in
         ``invalid_block_ids`` (all of the load's blocks if none is named). With
         ``sync_loads``, invalid blocks of the synchronous loads drop their stored blocks
-        the same way (WRK-011, SCH-024).
+        the same way (WRK-011, SCH-024). Remember the requests named in
+        ``FailedStores.late_loads``, to hold their blocks when they finish, and end the
+        hold of the held ones in ``finished_sending`` (WRK-017).
 
         Raises:
             UnknownRequestError: the output reports a transfer this role is not waiting
@@ -1069,7 +1114,8 @@ class OffloadScheduler(SchedulerConnector):
         """
         check_output(output)
         stray = sorted(
-            {f"{r} (sending)" for r in output.finished_sending if r not in self._saving}
+            {f"{r} (sending)" for r in output.finished_sending
+             if r not in self._saving and r not in self._holding}
             | {f"{r} (recving)" for r in output.finished_recving if r not in self._loading}
         )
         if stray:
@@ -1103,8 +1149,11 @@ class OffloadScheduler(SchedulerConnector):
         insert_many = self._policy.insert_many
         meta = output.worker_metadata
         failed_stores = meta.request_ids if isinstance(meta, FailedStores) else frozenset()
+        if isinstance(meta, FailedStores) and meta.late_loads:
+            self._note_late(meta.late_loads)
         for rid in sorted(output.finished_sending):
-            for record in self._saving.pop(rid):
+            self._holding.discard(rid)
+            for record in self._saving.pop(rid, ()):
                 job = record.job
                 inflight = self._inflight
                 if len(inflight) == len(record.keys):  # the only store in flight
@@ -1133,6 +1182,18 @@ class OffloadScheduler(SchedulerConnector):
                 insert_many(record.keys)
                 self._events.append(record)  # its BlockStored events, built by take_events
 
+    def _note_late(self, late: frozenset[str]) -> None:
+        """Remember the running requests a rank reported a late load of: their blocks are
+        held when they finish (WRK-017). A request already finished can no longer be held
+        (it finished before the report reached this role): logged and counted."""
+        for rid in late:
+            if rid in self._known:
+                self._late.add(rid)
+            else:
+                self._counters["late_loads_unheld"] += 1
+                _log.warning("request %s finished before a rank reported its load late; its "
+                             "blocks could not be held", rid)
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the ``BlockStored`` / ``BlockRemoved`` events since the last call, once
         each (EVT-004)."""
@@ -1150,6 +1211,7 @@ class OffloadScheduler(SchedulerConnector):
         for state in (
             self._known, self._asked, self._loading, self._saving, self._inflight, self._running,
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
+            self._late, self._holding, self._pending_held,
             self._index, self._pinning, self._zombies, self._sync_loaded, self._partial,
         ):
             state.clear()

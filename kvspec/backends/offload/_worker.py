@@ -38,7 +38,13 @@ never waited for: its request is reported at once, a load as failed with every b
 invalid, a store as failed (its slots stay invalid, the scheduler role never advertises
 it). Until that copy ends, the worker is *wedged*: new transfers fail at once instead of
 queueing behind it, and ``shutdown`` returns without it, logging the thread it could not
-stop (a daemon: it does not keep the process alive).
+stop (a daemon: it does not keep the process alive). A load's copy writes the engine's
+blocks straight from the pool, so one that outlives its deadline may still write them
+after it was reported failed: the worker names its request *late*
+(``FailedStores.late_loads``), the scheduler role delays the request's free when it
+finishes and names it in ``OffloadMetadata.held``, and the worker reports it in
+``finished_sending`` once the copy ended; a request aborted while its late copy runs is
+reported in ``finished_recving`` only then (WRK-017).
 """
 
 from __future__ import annotations
@@ -160,6 +166,13 @@ class OffloadWorker(WorkerConnector):
         self._store_failed: set[str] = set()  # a store of the request failed on this rank
         self._failed: frozenset[str] = frozenset()
         self._failed_stores: set[str] = set()
+        # WRK-017: loads reported failed whose copy still ran (late), by request; those
+        # not yet told to the scheduler role; the finished ones it holds for them; and
+        # every request the engine said finished while its load was tracked here.
+        self._late_copies: dict[str, list[_Job]] = {}
+        self._late_new: set[str] = set()
+        self._held: set[str] = set()
+        self._ended: set[str] = set()
         self._invalid: frozenset[int] = frozenset()
         self._sync_invalid: set[int] = set()  # failed blocks of sync loads, not yet reported
         self._loader: Runner | None = None  # the pipelined sync loads' thread
@@ -169,6 +182,7 @@ class OffloadWorker(WorkerConnector):
         self._counters: dict[str, int] = {}
         self._rng = random.Random(self._settings.fault_seed * 1_000_003 + rank)
         self._faults = FaultPlan.from_config(config)  # the conformance suite's fault seam
+        self._timeout_s = self._faults.deadline(self._settings.io_timeout_s)
 
     # -- registration -----------------------------------------------------------------------
 
@@ -233,6 +247,7 @@ class OffloadWorker(WorkerConnector):
         """
         self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
         self._started = False
+        self._held.update(metadata.held)  # type: ignore[attr-defined]  # checked by bind
 
     def clear_connector_metadata(self) -> None:
         """Start the bound metadata's transfers if ``start_load_kv`` did not (a step without
@@ -404,7 +419,7 @@ class OffloadWorker(WorkerConnector):
         if self._stream is not None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()  # the forward's KV writes so far
-        timeout = self._settings.io_timeout_s
+        timeout = self._timeout_s
         wedged = self._wedged()
         sync = self._settings.sync_loads
         for job, plan in zip(jobs, plans):
@@ -513,7 +528,7 @@ class OffloadWorker(WorkerConnector):
                                          for s in self._stuck):
             self._failed_job(job)
             return job.block_ids
-        j = _Job(job, plan, self._settings.io_timeout_s)
+        j = _Job(job, plan, self._timeout_s)
         j.future = future = loader.submit(self._run, j, event)
         done, _ = concurrent.futures.wait((future,), max(0.0, j.deadline - time.monotonic()))
         if not done:
@@ -585,6 +600,8 @@ class OffloadWorker(WorkerConnector):
               event: torch.cuda.Event | None) -> tuple[int, ...]:
         """Load ``job`` (tracked as ``j``, or None for a synchronous load)."""
         failed, plan = self._checked(pool, job, plan)
+        if plan is not None and self._faults.stall_s:  # hung inside the copy: it goes on
+            self._closing.wait(self._faults.stall_s)
         micros = self._copy(pool, plan, False, event) if plan is not None else 0
         if j is not None and self._late(j):
             self._count(load_copy_us=micros, load_failures=len(job))
@@ -621,7 +638,7 @@ class OffloadWorker(WorkerConnector):
         forward runs (``wait_for_layer_load``); a stuck earlier one fails it at once."""
         loader = self._loader
         assert loader is not None
-        j = _Job(job, plan, self._settings.io_timeout_s)
+        j = _Job(job, plan, self._timeout_s)
         j.layers = tuple(threading.Event() for _ in pool.layer_chunks)
         j.future = concurrent.futures.Future()
         if any(s.lock.locked() and s.layers for s in self._stuck):  # the loader is stuck
@@ -648,8 +665,15 @@ class OffloadWorker(WorkerConnector):
                 if self._closing.is_set() or j.cancelled:
                     return job.block_ids
                 failed, plan = self._checked(pool, job, j.plan)
+                stall = [self._faults.stall_s]
+
                 def stop() -> bool:
-                    return j.cancelled or self._closing.is_set()
+                    if j.cancelled or self._closing.is_set():
+                        return True
+                    if stall[0]:  # the fault plan: the first layer's copy hangs, then lands
+                        self._closing.wait(stall.pop())
+                        stall.append(0.0)
+                    return False
 
                 start = time.perf_counter()
                 if plan is not None and not pool.load_by_layer(
@@ -710,6 +734,11 @@ class OffloadWorker(WorkerConnector):
                          "failed; new transfers fail until it ends", self._rank,
                          "load" if j.job.is_load else "store", j.job.request_id)
             self._stuck.append(j)
+            if j.job.is_load:  # it may still write the request's blocks (WRK-017)
+                rid = j.job.request_id
+                self._late_copies.setdefault(rid, []).append(j)
+                if rid not in self._ended:  # running: held by the scheduler role at its end
+                    self._late_new.add(rid)
 
     def _help(self, j: _Job, until: float) -> None:
         """Let a host-memory load finish in this step: wait for its copy on the background
@@ -750,7 +779,9 @@ class OffloadWorker(WorkerConnector):
         """Return the finished requests whose stores all completed (sending) and the loads
         (recving) completed since the last call, each once (WRK-009, WRK-010); failed or
         timed-out loads count as completed (WRK-011, WRK-014). A failed store is still
-        reported sending, and named in the worker metadata (its slots stay invalid)."""
+        reported sending, and named in the worker metadata (its slots stay invalid). Held
+        requests (``OffloadMetadata.held``) are reported sending once no late copy of
+        theirs runs on this rank (WRK-017)."""
         if self._pipelined:
             self._end_pipelined()
         now = time.monotonic()
@@ -759,12 +790,27 @@ class OffloadWorker(WorkerConnector):
         failed: set[str] = set()
         invalid: set[int] = set()
         until = now + _HELP_WAIT_S
+        self._ended.update(r for r in finished_req_ids if r in self._loads)
         for rid, j in list(self._loads.items()):
+            if rid in self._late_copies:  # finished while loading, its copy late: held back
+                if self._copying(rid):
+                    continue
+                del self._loads[rid], self._late_copies[rid]
+                self._ended.discard(rid)
+                recving.add(rid)
+                failed.add(rid)
+                invalid.update(j.job.block_ids)
+                continue
             self._help(j, until)
             bad = self._outcome(j, time.monotonic())
             if bad is None:
                 continue
+            if rid in self._ended and self._copying(rid):
+                # Finished while loading (SCH-021): the engine frees its blocks once this
+                # is reported, so it is reported only once the copy has ended (WRK-017).
+                continue
             del self._loads[rid]
+            self._ended.discard(rid)
             recving.add(rid)
             if bad:
                 failed.add(rid)
@@ -786,18 +832,36 @@ class OffloadWorker(WorkerConnector):
                 elif bad:
                     self._store_failed.add(rid)
             self._stores[rid] = running
-            if running or rid not in self._finishing:
+            if running or rid not in self._finishing or self._copying(rid):
                 continue
             del self._stores[rid]
             self._finishing.discard(rid)
+            self._held.discard(rid)
             sending.add(rid)
             if rid in self._store_failed:  # told to the scheduler role: never advertised
                 self._store_failed.discard(rid)
                 self._failed_stores.add(rid)
+        self._release_held(sending)
         self._failed = frozenset(failed)
         # Several groups: a failed load is its request's, never block ids (KVG-005).
         self._invalid = frozenset(invalid) if not self._groups else frozenset()
         return frozenset(sending), frozenset(recving)
+
+    def _copying(self, rid: str) -> bool:
+        """True while a late copy of ``rid``'s load still runs on this rank."""
+        return any(j.lock.locked() for j in self._late_copies.get(rid, ()))
+
+    def _release_held(self, sending: set[str]) -> None:
+        """Report the held requests (``OffloadMetadata.held``) whose late copy ended on
+        this rank, or never ran here, and whose stores are not pending, in ``sending``
+        (WRK-017); forget the late copies that ended of requests not held."""
+        for rid in list(self._held):
+            if rid not in self._stores and not self._copying(rid):
+                self._held.discard(rid)
+                sending.add(rid)
+        for rid in list(self._late_copies):
+            if rid not in self._held and rid not in self._loads and not self._copying(rid):
+                del self._late_copies[rid]
 
     def get_failed_recving(self) -> frozenset[str]:
         """The loads of the last ``get_finished`` that failed (WRK-011)."""
@@ -821,12 +885,15 @@ class OffloadWorker(WorkerConnector):
         return ConnectorStats._of_ints(counters) if counters else None
 
     def build_connector_worker_meta(self) -> SupportsAggregate | None:
-        """The stores that failed since the last call (``FailedStores``), or None
-        (WRK-016): the scheduler role must not advertise or match them."""
-        if not self._failed_stores:
+        """The stores that failed and the loads named late since the last call
+        (``FailedStores``), or None (WRK-016): the scheduler role must not advertise or
+        match the failed stores, and holds the late loads' requests when they finish
+        (WRK-017)."""
+        if not self._failed_stores and not self._late_new:
             return None
-        failed, self._failed_stores = FailedStores(self._failed_stores), set()
-        return failed
+        meta = FailedStores(self._failed_stores, self._late_new)
+        self._failed_stores, self._late_new = set(), set()
+        return meta
 
     def wait_for_save(self) -> None:
         """``store_path="background"``: return at once; stored blocks are held by a delayed
@@ -985,6 +1052,10 @@ class OffloadWorker(WorkerConnector):
         self._finishing.clear()
         self._store_failed.clear()
         self._stuck = []
+        self._late_copies.clear()
+        self._late_new.clear()
+        self._held.clear()
+        self._ended.clear()
         if self._stage is not None:
             self._stage.release()
         self._stage = None

@@ -71,6 +71,7 @@ __all__ = [
     "HidesFailedLoadsConnector",
     "ImpureMatchConnector",
     "LeakyDecoderConnector",
+    "LateWriterConnector",
     "LeakyJournalConnector",
     "LoadsOverLocalHitConnector",
     "MutatesParamsConnector",
@@ -963,6 +964,34 @@ class WaitingOutputConnector(BrokenConnector):
     worker_class = _WaitingWorker
 
 
+class _LateWriterWorker(SharedStorageWorker):
+    """Copies in each block it read without asking whether the load was cancelled."""
+
+    def _load_blocks(self, job: Transfer, blocks: tuple[tuple[int, str], ...]) -> tuple[int, ...]:
+        kv = self._kv
+        assert kv is not None
+        failed: list[int] = []
+        for block, key in blocks:
+            try:
+                src = kv.read(self._dir, key, self._rank)
+                if self._faults.stall_s and block == blocks[0][0]:  # the read hangs
+                    self._closing.wait(self._faults.stall_s)
+                kv.copy_in(block, src)  # the slip: written even after the load was failed
+            except (OSError, ValueError, RuntimeError):
+                failed.append(block)
+        return tuple(failed)
+
+
+class LateWriterConnector(BrokenConnector):
+    """Breaks WRK-017: a load whose read hangs past its deadline is reported failed (the
+    engine recomputes the request, which finishes and frees its blocks), and then its
+    thread still copies what it read into those blocks, by then another request's."""
+
+    violates = "WRK-017"
+    selection = "test_a_late_copy_never_writes_freed_blocks"
+    worker_class = _LateWriterWorker
+
+
 class _UnsyncedWriterWorker(LayerwiseStorageWorker):
     """``wait_for_save`` hands the persistent save staging itself to a writer thread and
     returns at once: the CPU form of an asynchronous device-to-host copy with no sync. The
@@ -1046,6 +1075,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         AssertsCapacityConnector,
         UnsyncedWriterConnector,
         WaitingOutputConnector,
+        LateWriterConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

@@ -378,6 +378,7 @@ class SharedStorageWorker(WorkerConnector):
         self._settings = StorageSettings.from_config(config)
         self._rank = rank
         self._faults = FaultPlan.from_config(config)  # the conformance suite's fault seam
+        self._timeout_s = self._faults.deadline(self._settings.io_timeout_s)
         self._dir = self._settings.directory
         self._slot: MetadataSlot[SharedStorageMetadata] = MetadataSlot(SharedStorageMetadata)
         self._started = False
@@ -442,7 +443,7 @@ class SharedStorageWorker(WorkerConnector):
                 raise InvalidArgumentError(
                     f"request {job.request_id!r} already has a transfer of this direction in "
                     "flight; expected each transfer described once", clause="SCH-013")
-        timeout = self._settings.io_timeout_s
+        timeout = self._timeout_s
         for load in meta.loads:
             t = Transfer(load.request_id, tuple(b for b, _ in load.blocks), timeout, True)
             t.future = pool.submit(self._load_blocks, t, load.blocks)
@@ -459,7 +460,10 @@ class SharedStorageWorker(WorkerConnector):
             self._counters[name] = self._counters.get(name, 0) + n
 
     def _load_blocks(self, job: Transfer, blocks: tuple[tuple[int, str], ...]) -> tuple[int, ...]:
-        """Background thread: read and copy in each block; return the ids that failed."""
+        """Background thread: read each block into memory of its own, then copy it in
+        unless the load was cancelled meanwhile: a read that hangs past the deadline (a
+        slow or stuck file system) writes nothing late (WRK-017). Return the ids that
+        failed."""
         kv = self._kv
         assert kv is not None
         delay = max(self._settings.load_delay_s, self._faults.delay_s)
@@ -472,6 +476,8 @@ class SharedStorageWorker(WorkerConnector):
                 continue
             try:
                 src = kv.read(self._dir, key, self._rank)
+                if self._faults.stall_s and block == blocks[0][0]:  # the read hangs
+                    self._closing.wait(self._faults.stall_s)
                 if not job.copy(lambda: kv.copy_in(block, src)):  # noqa: B023 (runs now)
                     failed.append(block)
             except (OSError, KVSpecError, RuntimeError, ValueError) as e:

@@ -59,6 +59,12 @@ class WorkerGroup(Protocol):
         """Run one step on every rank; outputs in rank order and violations observed."""
         ...
 
+    def poison(self, msg: Mapping[str, Any]) -> None:
+        """Write the poisons of blocks freed since the last step now, without a step (the
+        ``poison_*`` entries of a step message): at the end of a run, so that what a
+        transfer writes into them afterwards is seen (WRK-017)."""
+        ...
+
     def shutdown(self) -> None:
         """Shut every rank down, within a bounded time."""
         ...
@@ -94,6 +100,10 @@ class InProcessWorkers:
         decoded = decode_meta(type(meta), _roundtrip(meta))
         out, violations = self.runtime.step(msg, decoded)
         return [out], violations
+
+    def poison(self, msg: Mapping[str, Any]) -> None:
+        """Write the poisons now (``WorkerGroup.poison``)."""
+        self.runtime.poison(msg)
 
     def shutdown(self) -> None:
         """Shut the rank down."""
@@ -137,6 +147,10 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
                 rt.shutdown()
                 _send(conn_out, {"ok": True, "leaked": _leaked_since(before)})
                 return
+            if req["type"] == "poison":
+                rt.poison(req["msg"])
+                _send(conn_out, {"ok": True})
+                continue
             envelope = Envelope.from_plain(req["meta"])
             mt = meta_types.get(envelope.type_path) or _import(envelope.type_path,
                                                                "metadata type")
@@ -290,6 +304,14 @@ class ProcessWorkers:
     def handshakes(self) -> dict[int, HandshakeMetadata | None]:
         """Every rank's handshake metadata, decoded defensively (HSK-005)."""
         return dict(self._handshakes)
+
+    def poison(self, msg: Mapping[str, Any]) -> None:
+        """Send the poisons to every rank and wait for each to have written them."""
+        payload = json.dumps({"type": "poison", "msg": msg}).encode()
+        for _, out in self.conns:
+            out.send_bytes(payload)
+        for rank in range(len(self.conns)):
+            self._recv(rank)
 
     def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> StepResult:
         """Send the step to every rank, then collect the outputs in rank order."""

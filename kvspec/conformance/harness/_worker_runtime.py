@@ -169,6 +169,7 @@ class WorkerRuntime:
         self._reused: dict[int, list[int]] = {}
         # each block's last allocation poison, and the blocks that got each value
         self._alloc_value: dict[int, int] = {}
+        self._freed: dict[int, int] = {}  # blocks holding FREED_POISON -> the step freed
         self._alloc_blocks: dict[int, set[int]] = {}
         self._closed = False
         self._forward(ForwardKind.PROFILE, self.t_max)  # before registration: no hook (DRY-002)
@@ -205,18 +206,12 @@ class WorkerRuntime:
         if msg["preempted"]:  # first, as vLLM's execute_model does: before the preempted
             # requests' blocks are reused (here: poisoned), the connector fences (WRK-012)
             self.connector.handle_preemptions(frozenset(msg["preempted"]))
-        for b in msg["poison_freed"]:
-            self._poison(b, FREED_POISON)
-        for b in msg.get("poison_window", ()):
-            self._poison(b, WINDOW_POISON)
-        for b in msg.get("poison_preempted", ()):
-            self._poison(b, PREEMPTED_POISON)
-            self._reused[b] = self._reused.pop(b, [])  # the most recent last
-            if len(self._reused) > _WATCHED_BLOCKS:
-                del self._reused[next(iter(self._reused))]
+        written = self._written_after_free(msg)
+        self.poison(msg)
         if msg["poison_alloc"]:
             value = alloc_poison(msg["step"])
             for b in msg["poison_alloc"]:
+                self._freed.pop(b, None)  # handed out again (checked before, WRK-017)
                 self._poison(b, value)
                 self._alloc_value[b] = value
             self._alloc_blocks[value] = set(msg["poison_alloc"])
@@ -252,7 +247,7 @@ class WorkerRuntime:
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
         took = time.monotonic() - start
         self.connector.clear_connector_metadata()
-        violations = lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
+        violations = written + lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
         violations += self._null_block_written(msg["step"])
         if took > self.config.hook_budget_s:
             violations.append({
@@ -509,6 +504,50 @@ class WorkerRuntime:
         return all(torch.equal(read_out[layer, at + pos], self.model.kv(
             hashes[pos:pos + 1], layer, self.heads)[0].to(self.layout.dtype))
             for layer in range(self.config.num_layers) if not self._group[layer])
+
+    def poison(self, msg: Mapping[str, Any]) -> None:
+        """Write the poisons of the blocks freed since the last step (``poison_freed``,
+        ``poison_window``, ``poison_preempted`` of a step message; each block once)."""
+        for b in msg.get("poison_freed", ()):
+            self._poison(b, FREED_POISON)
+            self._freed[b] = msg["step"]
+        for b in msg.get("poison_window", ()):
+            self._poison(b, WINDOW_POISON)
+            self._freed.pop(b, None)
+        for b in msg.get("poison_preempted", ()):
+            self._poison(b, PREEMPTED_POISON)
+            self._freed.pop(b, None)
+            self._reused[b] = self._reused.pop(b, [])  # the most recent last
+            if len(self._reused) > _WATCHED_BLOCKS:
+                del self._reused[next(iter(self._reused))]
+
+    def _written_after_free(self, msg: Mapping[str, Any]) -> list[dict[str, str]]:
+        """WRK-017: the freed blocks handed out again in this step (and, at the start of a
+        run, every freed block) still hold the poison written when they were freed. Only a
+        connector can have written one since: the engine's forward writes only the blocks
+        of the requests it runs. A freed block is checked when it is handed out again and
+        at the start of each run."""
+        handed = [b for key in ("poison_alloc", "poison_window", "poison_preempted")
+                  for b in msg.get(key, ()) if b in self._freed]
+        blocks = list(self._freed) if msg.get("check_freed") else handed
+        found: list[dict[str, str]] = []
+        for b in blocks:
+            freed = self._freed[b]
+            for layer, t in enumerate(self.layers):
+                block = t[:, b] if self.layout.packing is KVPacking.SPLIT else t[b]
+                if not bool((block == FREED_POISON).all()):
+                    found.append({
+                        "clause": "WRK-017", "observed": f"block {b} (layer {layer}, rank "
+                        f"{self.rank}) was written after the engine freed it in step {freed}, "
+                        f"found before step {msg['step']}: a transfer still wrote into it, "
+                        "such as a load reported failed at its deadline whose copy ended "
+                        "later", "expected": "no write into a block once its request's "
+                        "blocks are freed: a copy that may still write keeps them held (a "
+                        "delayed free) until it has ended"})
+                    break
+            if found:
+                break
+        return found
 
     def _null_block_written(self, step: int) -> list[dict[str, str]]:
         """KVG-004: with several groups, the null block still holds its poison after the

@@ -249,6 +249,7 @@ class Engine:
         self._poison_freed: list[int] = []
         self._poison_window: list[int] = []  # freed as the window moved (KVG-007)
         self._poison_preempted: list[int] = []
+        self._check_freed = False
         self._poison_alloc: list[int] = []
         self._finished_ids: list[str] = []
         self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]],
@@ -357,6 +358,7 @@ class Engine:
         stores and delayed frees still unreported stay so until the next ``run``
         (SCH-031), and the end-of-run leak checks wait for a run that drains."""
         self.workload = workload
+        self._check_freed = True  # what was written into freed blocks since (WRK-017)
         arrivals: dict[int, list[RequestSpec]] = {}
         aborts: dict[int, list[str]] = {}
         for spec in workload.requests:
@@ -378,8 +380,10 @@ class Engine:
                 )
             self.step()
         if leave_pending:
+            self._flush_poison()
             return self.result()
         self.drain()
+        self._flush_poison()
         if self.references.held:
             self._violate("SCH-030", f"block references still held after the run on blocks "
                           f"{self.references.held_ids()}", "every reference dropped by the time "
@@ -388,6 +392,16 @@ class Engine:
         if leaked:
             raise AssertionError(f"harness bug: blocks {leaked} still referenced after the run")
         return self.result()
+
+    def _flush_poison(self) -> None:
+        """Poison the blocks the run's last steps freed now, not at the next step: a
+        transfer that writes into them after the run is then seen (WRK-017)."""
+        if self._poison_freed or self._poison_window or self._poison_preempted:
+            self.workers.poison({
+                "step": self.step_id,
+                "poison_freed": self._take(self._poison_freed),
+                "poison_window": self._take(self._poison_window),
+                "poison_preempted": self._take(self._poison_preempted)})
 
     def result(self) -> RunResult:
         """What the engine did so far."""
@@ -483,10 +497,12 @@ class Engine:
             "poison_window": self._take(self._poison_window),
             "poison_preempted": self._take(self._poison_preempted),
             "poison_alloc": self._take(self._poison_alloc),
+            "check_freed": self._check_freed,
             "preempted": sorted(out_view.preempted_req_ids),
             "finished": sorted(out_view.finished_req_ids),
             "reqs": plans,
         }
+        self._check_freed = False
         outputs, violations = self.workers.step(msg, meta)
         busy = plans or self.awaited or self.waiting or self.running or self.remote
         if self.config.async_scheduling and busy:

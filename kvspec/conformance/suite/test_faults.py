@@ -11,6 +11,7 @@ correct KV, recomputed.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,37 @@ class TestFaults(ConformanceSuite):
                                              name=f"{name} pass, slow transfers"),
                                     max_steps=50_000)
                 assert {f"{name}-0", f"{name}-1"} <= set(result.finished)
+
+    @pytest.mark.kvspec_clause("WRK-017", "WRK-014", "SCH-016")
+    @pytest.mark.kvspec_requires("fault_injection")
+    def test_a_late_copy_never_writes_freed_blocks(self, tmp_path: Path) -> None:
+        """Every load's copy hangs 0.5 s inside the copy, past its 0.1 s deadline, then
+        writes anyway (``FaultPlan.stall_s``, ``deadline_s``): each load is reported failed
+        at its deadline and recomputed, the requests finish, and the late writes must not
+        reach blocks the engine freed (WRK-017): the connector keeps them held until its
+        copies have ended. A third pass then reuses the blocks; the engine checks that no
+        freed block was written since it was freed."""
+        plan = FaultPlan(stall_s=0.5, deadline_s=0.1)
+        cfg = config_for(self.capabilities, prefix_caching=False,
+                         extra={FAULTS_KEY: plan.to_plain()})
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as engine:
+            runs = {}
+            for name, prompts in (("store", _PROMPTS[:2]), ("hit", _PROMPTS[:2]),
+                                  ("after", _PROMPTS[2:])):
+                if name == "after":
+                    time.sleep(plan.stall_s + 0.2)  # every stalled copy has written by now
+                runs[name] = engine.run(Workload(
+                    [RequestSpec(f"{name}-{i}", p, max_new_tokens=2)
+                     for i, p in enumerate(prompts)], name=f"{name} pass, stalled loads"),
+                    max_steps=50_000)
+        hit = runs["hit"]
+        if not any(hit.matched_tokens.values()):
+            pytest.skip("the connector offered no tokens on the hit pass: nothing was loaded")
+        if any(hit.external_tokens.values()):
+            pytest.skip("a load succeeded: the connector does not apply FaultPlan.stall_s "
+                        "and deadline_s, so no copy outlived its deadline")
+        assert {"hit-0", "hit-1", "after-0", "after-1"} <= {*hit.finished,
+                                                             *runs["after"].finished}
 
     @pytest.mark.kvspec_clause("WRK-011", "ERR-008", "SCH-016")
     @pytest.mark.kvspec_requires("fault_injection")
