@@ -27,6 +27,10 @@ __all__ = ["StorageRig", "build_host_pool", "create_backend", "make_storage_conf
 STORAGE_BATCH_SIZE = 128
 """Pages per backend call, as SGLang's controller batches them."""
 
+_TOKEN_DIM = {"layer_first": 2, "page_first": 1}
+"""The token dimension of the host pool's ``kv_buffer`` per layout (``[2, layers, tokens,
+heads, dim]``, ``[2, tokens, layers, heads, dim]``); ``page_first_direct`` is per page."""
+
 
 def build_host_pool(config: HiCacheConfig) -> Any:
     """SGLang's real CPU host pool (``MHATokenToKVPoolHost``, pinned memory off) over an
@@ -170,6 +174,27 @@ class StorageRig:
         """Zero every page of ``indices``."""
         for i in range(len(indices) // self.config.page_size):
             self.host.get_data_page(self.page_index(indices, i), flat=False).zero_()
+
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the whole host pool's bytes, for ``pages_changed``."""
+        return self.host.kv_buffer.contiguous().view(torch.uint8).clone()  # type: ignore[no-any-return]
+
+    def pages_changed(self, before: torch.Tensor) -> set[int]:
+        """The first token slot of every host page whose bytes differ from ``before`` (a
+        ``snapshot``): where a load wrote (STO-006)."""
+        now = self.host.kv_buffer.contiguous().view(torch.uint8)
+        diff = now != before
+        ps = self.config.page_size
+        if self.config.layout == "page_first_direct":  # [2, pages, layers, page, heads, dim]
+            per_page = diff.movedim(1, 0).reshape(diff.shape[1], -1).any(dim=1)
+            return {int(p) * ps for p in per_page.nonzero().flatten().tolist()}
+        dim = _TOKEN_DIM[self.config.layout]
+        per_token = diff.movedim(dim, 0).reshape(diff.shape[dim], -1).any(dim=1)
+        return {int(t) // ps * ps for t in per_token.nonzero().flatten().tolist()}
+
+    def page_slots(self, indices: torch.Tensor) -> set[int]:
+        """The first token slot of every page of ``indices``."""
+        return {self.page_index(indices, i) for i in range(len(indices) // self.config.page_size)}
 
     # -- the controller's three paths --------------------------------------------------------
     def query(self, keys: Sequence[str]) -> int:
