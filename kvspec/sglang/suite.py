@@ -132,7 +132,14 @@ class HiCacheStorageSuite:
         src = rig.alloc(1)
         want = rig.fill(src, seed=7)[0]
         page = rig.host.get_data_page(rig.page_index(src, 0))
-        _check(rig.call("STO-010", "set", "g0", page) is True, "STO-010",
+        try:
+            done = rig.call("STO-010", "set", "g0", page)
+        except ContractViolation as e:
+            if rig.zero_copy and isinstance(e.__cause__, NotImplementedError):
+                pytest.skip(f"{self.target!r} does not implement the generic set "
+                            f"({e.__cause__}); SGLang's controller drives it zero copy")
+            raise
+        _check(done is True, "STO-010",
                                 "set answered something other than True", "True")
         out = rig.call("STO-003", "get", "g0", rig.host.get_dummy_flat_data_page())
         _check(out is not None, _lost(rig, "g0"), "get missed a page set just before",
