@@ -54,6 +54,11 @@ def register(commands: Commands) -> None:
     c.add_argument("--device", type=device, default="cpu", metavar="DEVICE",
                    help="where the harness runs the KV caches and forwards: cpu (default; "
                    "graphs emulated) or cuda[:N] (real CUDA graphs); sets $KVSPEC_DEVICE")
+    c.add_argument("--page", metavar="PATH",
+                   help="hicache: backends only: keep each backend's run beside PATH "
+                        "(PATH-data/NAME.json, PATH without .md) and write the results page "
+                        "of every kept run to PATH (docs/sglang-backends.md); exits 1 if a "
+                        "failure has no explanation")
     c.add_argument("--service", metavar="CMD",
                    help="start CMD (a service the connector needs) before the engines and "
                         "stop it after")
@@ -75,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     hicache = [s for s in args.specs if s.startswith("hicache:")]
     if hicache:
         return _run_hicache(args, hicache)
+    if args.page:
+        print("kvspec conform: --page writes the page of hicache: backends; connectors' pages "
+              "come from kvspec vllm-connectors", file=sys.stderr)
+        return 2
     if any(s.startswith("vllm:") for s in args.specs):
         rerun = rerun_under_vllm("conform", args, timeout_s=5400, announce=True)
         if rerun is not None:
@@ -146,35 +155,109 @@ def _run_suite(args: argparse.Namespace) -> int:
 
 def _run_hicache(args: argparse.Namespace, specs: Sequence[str]) -> int:
     """The HiCache storage suite (kvspec.sglang) on each ``hicache:`` backend, one pytest
-    session each, under the SGLang environment; the worst exit code."""
+    session each, under the SGLang environment; the worst exit code. ``--report`` and
+    ``--json`` give one report of every backend (each test's ``connector`` is
+    ``hicache:NAME``); ``--page`` keeps each run and rewrites the results page."""
     if len(specs) != len(args.specs):
         print("kvspec conform: hicache: backends and connectors run in separate commands",
               file=sys.stderr)
         return 2
+    if args.page and unwritable("--page", args.page):
+        return 2
     rerun = rerun_under_sglang("conform", args, timeout_s=1800)
     if rerun is not None:
         return rerun
-    import pytest
+    from ..sglang import parse_target
 
-    from ..sglang import HICACHE_EXTRA_ENV, HICACHE_TARGET_ENV, parse_target
-
-    suite = Path(__file__).resolve().parents[1] / "sglang" / "_cli_suite.py"
-    code = 0
-    for spec in specs:
-        target = spec.removeprefix("hicache:")
+    targets = [spec.removeprefix("hicache:") for spec in specs]
+    for target in targets:
         try:
             parse_target(target)
         except InvalidArgumentError as e:
             print(f"kvspec conform: {e}", file=sys.stderr)
             return 2
-        os.environ[HICACHE_TARGET_ENV] = target
-        os.environ[HICACHE_EXTRA_ENV] = json.dumps(_parse_extra(args.extra, args.extra_file))
-        sys.modules.pop("kvspec.sglang._cli_suite", None)  # it reads the target at import
-        argv = [str(suite), "-p", "no:cacheprovider", "-q", *args.pytest_args]
-        if args.report and args.report != "-":
-            argv.append(f"--kvspec-report={args.report}")
-        code = max(code, int(pytest.main(argv)))
+    as_json = args.json or args.report == "-"
+    code, reports, runs = 0, [], []
+    for target in targets:
+        run, rc = _run_one_backend(args, target, quiet=as_json)
+        code = max(code, rc)
+        runs.append(run)
+        if run.report is not None:
+            reports.append((target, run.report))
+    from ..sglang.report import merge_reports
+
+    merged = merge_reports(reports)
+    path = _report_path(args)
+    if path and merged:
+        Path(path).write_text(json.dumps(merged, indent=2, default=_plain_json) + "\n")
+    if as_json:
+        json.dump(merged, sys.stdout, indent=2, default=_plain_json)
+        sys.stdout.write("\n")
+    if args.page:
+        code = max(code, _write_page(args.page, runs))
     return code
+
+
+def _run_one_backend(args: argparse.Namespace, target: str, *, quiet: bool) -> tuple[Any, int]:
+    """One pytest session of the suite on ``target``: its ``BackendRun`` and exit code (2,
+    and a run that did not happen, for ``nixl`` without the nixl package)."""
+    import importlib.util
+    import tempfile
+    import time
+
+    import pytest
+
+    from ..sglang import HICACHE_EXTRA_ENV, HICACHE_TARGET_ENV
+    from ..sglang.report import BackendRun, environment_versions
+
+    if target == "nixl" and importlib.util.find_spec("nixl") is None:
+        reason = ("the nixl package is not installed in this SGLang environment (SGLang's "
+                  "nixl backend imports it; pip install nixl==1.5.1 there)")
+        print(f"kvspec conform: hicache:nixl: {reason}", file=sys.stderr)
+        return BackendRun(target, None, 0.0, reason, versions=environment_versions()), (
+            0 if args.page else 2)
+    suite = Path(__file__).resolve().parents[1] / "sglang" / "_cli_suite.py"
+    os.environ[HICACHE_TARGET_ENV] = target
+    os.environ[HICACHE_EXTRA_ENV] = json.dumps(_parse_extra(args.extra, args.extra_file))
+    sys.modules.pop("kvspec.sglang._cli_suite", None)  # it reads the target at import
+    with tempfile.TemporaryDirectory(prefix="kvspec-hicache-") as tmp:
+        out = Path(tmp) / "report.json"
+        argv = [str(suite), "-p", "no:cacheprovider", "-q", *args.pytest_args,
+                f"--kvspec-report={out}"]
+        start = time.monotonic()
+        with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
+            rc = int(pytest.main(argv))
+        seconds = time.monotonic() - start
+        report = json.loads(out.read_text()) if out.exists() else None
+    why = None if report is not None else f"pytest ended with exit code {rc} and no report"
+    return BackendRun(target, report, seconds, why, versions=environment_versions()), rc
+
+
+def _write_page(page: str, runs: Sequence[Any]) -> int:
+    """Keep ``runs`` beside ``page`` and render it from every kept run; 1 if a failure has
+    no explanation (each is printed), else 0."""
+    from ..sglang.report import load_runs, render_page, save_run, unexplained
+
+    data = Path(page).with_suffix("")
+    data = data.with_name(data.name + "-data")
+    for run in runs:
+        save_run(run, data)
+    kept = load_runs(data)
+    Path(page).write_text(render_page(kept, data_dir=_shown(data)))
+    print(f"kvspec conform: wrote {page} ({len(kept)} kept runs in {_shown(data)})",
+          file=sys.stderr)
+    missing = unexplained(kept)
+    for line in missing:
+        print(f"kvspec conform: UNEXPLAINED failure {line}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the current directory where it is inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _parse_extra(pairs: Sequence[str], files: Sequence[str]) -> dict[str, Any]:

@@ -27,6 +27,17 @@ __all__ = ["StorageRig", "build_host_pool", "create_backend", "make_storage_conf
 STORAGE_BATCH_SIZE = 128
 """Pages per backend call, as SGLang's controller batches them."""
 
+_DIR_VARIABLES = {"file": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+                  "nixl": "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"}
+"""The environment variables that set a built-in backend's directory. ``file`` reads
+``file_storage_path`` from its extra configuration too; ``nixl`` takes its directory only
+from its variable (else ``/tmp/hicache_storage``, shared by every run), so kvspec sets it
+to the rig's directory while the backend is created."""
+
+_TOKEN_DIM = {"layer_first": 2, "page_first": 1}
+"""The token dimension of the host pool's ``kv_buffer`` per layout (``[2, layers, tokens,
+heads, dim]``, ``[2, tokens, layers, heads, dim]``); ``page_first_direct`` is per page."""
+
 
 def build_host_pool(config: HiCacheConfig) -> Any:
     """SGLang's real CPU host pool (``MHATokenToKVPoolHost``, pinned memory off) over an
@@ -69,16 +80,24 @@ def create_backend(target: HiCacheTarget, config: HiCacheConfig, host_pool: Any,
     """Create, register and announce the backend, in the controller's order.
 
     Raises:
-        InvalidArgumentError: SGLang's file-backend directory variable is set (it would
+        InvalidArgumentError: SGLang's file or nixl directory variable is set (it would
             send every rank and every test to one directory).
     """
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    if os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"):
-        raise InvalidArgumentError("unset SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR: it overrides "
-                                   "the storage directory kvspec gives each backend")
+    for name in _DIR_VARIABLES.values():
+        if os.environ.get(name):
+            raise InvalidArgumentError(f"unset {name}: it overrides the storage directory kvspec "
+                                       "gives each backend")
     storage_config = make_storage_config(config, target, storage_dir)
-    backend = StorageBackendFactory.create_backend(target.name, storage_config, host_pool)
+    var = _DIR_VARIABLES.get(target.name)
+    if var is not None and target.name != "file":  # read only from the environment
+        os.environ[var] = str(storage_dir)
+    try:
+        backend = StorageBackendFactory.create_backend(target.name, storage_config, host_pool)
+    finally:
+        if var is not None:
+            os.environ.pop(var, None)
     backend.register_mem_pool_host(host_pool)
     backend.on_host_pools_registered()
     return backend
@@ -170,6 +189,27 @@ class StorageRig:
         """Zero every page of ``indices``."""
         for i in range(len(indices) // self.config.page_size):
             self.host.get_data_page(self.page_index(indices, i), flat=False).zero_()
+
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the whole host pool's bytes, for ``pages_changed``."""
+        return self.host.kv_buffer.contiguous().view(torch.uint8).clone()  # type: ignore[no-any-return]
+
+    def pages_changed(self, before: torch.Tensor) -> set[int]:
+        """The first token slot of every host page whose bytes differ from ``before`` (a
+        ``snapshot``): where a load wrote (STO-006)."""
+        now = self.host.kv_buffer.contiguous().view(torch.uint8)
+        diff = now != before
+        ps = self.config.page_size
+        if self.config.layout == "page_first_direct":  # [2, pages, layers, page, heads, dim]
+            per_page = diff.movedim(1, 0).reshape(diff.shape[1], -1).any(dim=1)
+            return {int(p) * ps for p in per_page.nonzero().flatten().tolist()}
+        dim = _TOKEN_DIM[self.config.layout]
+        per_token = diff.movedim(dim, 0).reshape(diff.shape[dim], -1).any(dim=1)
+        return {int(t) // ps * ps for t in per_token.nonzero().flatten().tolist()}
+
+    def page_slots(self, indices: torch.Tensor) -> set[int]:
+        """The first token slot of every page of ``indices``."""
+        return {self.page_index(indices, i) for i in range(len(indices) // self.config.page_size)}
 
     # -- the controller's three paths --------------------------------------------------------
     def query(self, keys: Sequence[str]) -> int:
