@@ -157,14 +157,15 @@ def _run_hicache(args: argparse.Namespace, specs: Sequence[str]) -> int:
     import pytest
 
     from ..sglang import HICACHE_EXTRA_ENV, HICACHE_TARGET_ENV, parse_target
+    from ..sglang._loader import check_available
 
     suite = Path(__file__).resolve().parents[1] / "sglang" / "_cli_suite.py"
     code = 0
     for spec in specs:
         target = spec.removeprefix("hicache:")
         try:
-            parse_target(target)
-        except InvalidArgumentError as e:
+            check_available(parse_target(target))
+        except (InvalidArgumentError, ImportError) as e:  # ImportError: BackendUnavailableError
             print(f"kvspec conform: {e}", file=sys.stderr)
             return 2
         os.environ[HICACHE_TARGET_ENV] = target

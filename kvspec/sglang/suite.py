@@ -137,8 +137,14 @@ class HiCacheStorageSuite:
         src = rig.alloc(1)
         want = rig.fill(src, seed=7)[0]
         page = rig.host.get_data_page(rig.page_index(src, 0))
-        _check(rig.call("STO-010", "set", "g0", page) is True, "STO-010",
-                                "set answered something other than True", "True")
+        try:
+            stored = rig.call("STO-010", "set", "g0", page)
+        except ContractViolation as e:  # the controller never calls set on a zero-copy backend
+            if rig.zero_copy and isinstance(e.__cause__, NotImplementedError):
+                pytest.skip(f"{self.target!r} does not implement get/set (NotImplementedError) and "
+                            "SGLang's controller drives it through batch_get_v1/batch_set_v1 only")
+            raise
+        _check(stored is True, "STO-010", "set answered something other than True", "True")
         out = rig.call("STO-003", "get", "g0", rig.host.get_dummy_flat_data_page())
         _check(out is not None, "STO-004", "get missed a page set just before",
                                 "the page")
