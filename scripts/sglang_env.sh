@@ -9,7 +9,13 @@
 #      CUDA and vision packages) under a constraint pinning torch==2.13.0;
 #   4. xgrammar==0.2.7 and triton==3.9.0 without dependencies (SGLang imports triton
 #      unconditionally; a mock triton would break torch's inductor);
-#   5. kvspec itself, editable and without dependencies, plus its light runtime and test deps.
+#   5. kvspec itself, editable and without dependencies, plus its light runtime and test deps;
+#      and nixl 1.5.1 for SGLang's `nixl` backend (`kvspec conform hicache:nixl`): the `nixl`
+#      meta package without dependencies plus `nixl-cu13` under the torch constraint (its only
+#      requirements are numpy and torch). The meta package requires both nixl-cu12 and
+#      nixl-cu13 (about 60 MB each) but, where torch has no CUDA, imports nixl_cu13 first, so
+#      nixl-cu12 is left out; neither brings a CUDA pip package, and the POSIX plugin runs on
+#      the CPU.
 #   6. a stand-in `torchvision` package, written into the venv's site-packages: the registry's
 #      torchvision does not load beside torch 2.13 CPU (`operator torchvision::nms does not
 #      exist`), yet SGLang's storage path imports it at module level (mem_cache.memory_pool ->
@@ -46,6 +52,8 @@ if [ "$(cat "$sstamp" 2>/dev/null || true)" != "$swant" ]; then
   spip --no-deps xgrammar==0.2.7 triton==3.9.0
   spip --no-deps -e "$KVSPEC_ROOT"
   spip -c "$constraints" attrs msgspec typing-extensions safetensors pytest hypothesis
+  spip --no-deps nixl==1.5.1
+  spip -c "$constraints" nixl-cu13==1.5.1
   "$SVPY" - <<'PY'
 # The torchvision stand-in (step 6); a real torchvision, if one is importable, is left alone.
 import importlib.util, pathlib, sysconfig
@@ -80,6 +88,7 @@ cuda = sorted(d.metadata["Name"] for d in md.distributions()
 if cuda:
     sys.exit(f"CUDA packages got in: {cuda}")
 import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.memory_pool_host, kvspec
+import nixl._api
 PY
   echo "$swant" > "$sstamp"
   echo "kvspec: SGLang environment ready in $(( $(date +%s) - start )) s" >&2

@@ -168,12 +168,13 @@ def _run_hicache(args: argparse.Namespace, specs: Sequence[str]) -> int:
     if rerun is not None:
         return rerun
     from ..sglang import parse_target
+    from ..sglang._loader import check_available
 
     targets = [spec.removeprefix("hicache:") for spec in specs]
     for target in targets:
         try:
-            parse_target(target)
-        except InvalidArgumentError as e:
+            check_available(parse_target(target))
+        except (InvalidArgumentError, ImportError) as e:  # ImportError: BackendUnavailableError
             print(f"kvspec conform: {e}", file=sys.stderr)
             return 2
     as_json = args.json or args.report == "-"

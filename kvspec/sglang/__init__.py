@@ -28,6 +28,8 @@ from ._config import (
     HICACHE_TARGET_ENV,
     HOST_LAYOUTS,
     KVSPEC_BACKEND,
+    NIXL_BACKEND,
+    BackendUnavailableError,
     HiCacheConfig,
     HiCacheTarget,
     parse_target,
@@ -36,7 +38,7 @@ from ._config import (
 if TYPE_CHECKING:
     from ._loader import StorageRig
 
-__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "KVSPEC_BACKEND", "HiCacheConfig", "HiCacheTarget", "open_backend",
+__all__ = ["BUILTIN_ZERO_COPY", "BackendUnavailableError", "HICACHE_EXTRA_ENV", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "KVSPEC_BACKEND", "NIXL_BACKEND", "HiCacheConfig", "HiCacheTarget", "open_backend",
            "parse_target"]
 
 
@@ -49,6 +51,8 @@ def open_backend(target: str | HiCacheTarget, config: HiCacheConfig, storage_dir
         ImportError: SGLang is not installed here (run under ``scripts/sglang_env.sh``'s
             environment).
         InvalidArgumentError: ``target`` or ``config`` is malformed.
+        BackendUnavailableError: the backend needs a package that is not installed
+            (``nixl`` for SGLang's ``nixl`` backend).
     """
     from ._loader import StorageRig
 

@@ -9,9 +9,14 @@ from typing import Any
 
 import attrs
 
-from ..protocols.errors import InvalidArgumentError
+from ..protocols.errors import InvalidArgumentError, KVSpecError
 
-__all__ = ["BUILTIN_ZERO_COPY", "HICACHE_EXTRA_ENV", "KVSPEC_BACKEND", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "parse_target"]
+__all__ = ["BUILTIN_ZERO_COPY", "BackendUnavailableError", "HICACHE_EXTRA_ENV", "KVSPEC_BACKEND", "HICACHE_TARGET_ENV", "HOST_LAYOUTS", "HiCacheConfig", "HiCacheTarget", "NIXL_BACKEND", "parse_target"]
+
+class BackendUnavailableError(KVSpecError, ImportError):
+    """A backend needs a package that is not installed in SGLang's environment (SGLang's
+    ``nixl`` backend without ``nixl``); raised before the backend is created."""
+
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 """Host-pool layouts the suite builds (SGLang's ``page_head`` needs head splitting)."""
@@ -125,6 +130,13 @@ KVSPEC_BACKEND = HiCacheTarget("kvspec", "dynamic", "kvspec.sglang.backend", "KV
                                (("interface_v1", 1),))
 """``kvspec``: kvspec's own backend, loaded as SGLang's ``dynamic`` option loads it, zero copy."""
 
+NIXL_BACKEND = HiCacheTarget("nixl", "nixl", defaults=(("plugin", {"posix": {"active": True}}),))
+"""``nixl``: SGLang's ``HiCacheNixl`` on NIXL's POSIX plugin (files in the storage directory
+kvspec gives it), selected the way SGLang's README recommends, with the fully qualified
+``{"plugin": {"posix": {"active": true}}}`` extra configuration; every other setting at
+SGLang's default (O_DIRECT on, the L3 cleaner on). An extra configuration with its own
+``plugin`` replaces this one."""
+
 
 def parse_target(spec: str) -> HiCacheTarget:
     """Parse ``file`` / ``nixl`` (a built-in name), ``kvspec`` (kvspec's own backend,
@@ -139,6 +151,8 @@ def parse_target(spec: str) -> HiCacheTarget:
                                    f"'pkg.module:Class', got {spec!r}")
     if spec == KVSPEC_BACKEND.spec:
         return KVSPEC_BACKEND
+    if spec == NIXL_BACKEND.spec:
+        return NIXL_BACKEND
     if m.group("name"):
         return HiCacheTarget(spec, m.group("name"))
     return HiCacheTarget(spec, "dynamic", m.group("module"), m.group("cls"))

@@ -7,10 +7,17 @@ builds a ``HiCacheStorageConfig`` from the rank's coordinates, asks
 configuration), registers the host pool and calls ``on_host_pools_registered``. Every
 backend call made through ``StorageRig`` runs on a helper thread with a deadline, so a call
 that never returns is reported (STO-012) instead of hanging the suite.
+
+SGLang's ``nixl`` backend takes no directory from its configuration: the factory builds it
+from the ``HiCacheStorageConfig`` alone and it reads ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``
+(default ``/tmp/hicache_storage``) once, in its constructor. kvspec sets that variable to
+the storage directory it gives the backend while the backend is built, and restores it.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -20,23 +27,39 @@ from typing import Any
 import torch
 
 from ..protocols.errors import ContractViolation, InvalidArgumentError
-from ._config import HiCacheConfig, HiCacheTarget
+from ._config import BackendUnavailableError, HiCacheConfig, HiCacheTarget
 
-__all__ = ["StorageRig", "build_host_pool", "create_backend", "make_storage_config"]
+__all__ = ["NIXL_STORAGE_DIR_ENV", "StorageRig", "build_host_pool", "check_available", "create_backend",
+           "make_storage_config"]
 
 STORAGE_BATCH_SIZE = 128
 """Pages per backend call, as SGLang's controller batches them."""
 
-_DIR_VARIABLES = {"file": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
-                  "nixl": "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"}
-"""The environment variables that set a built-in backend's directory. ``file`` reads
-``file_storage_path`` from its extra configuration too; ``nixl`` takes its directory only
-from its variable (else ``/tmp/hicache_storage``, shared by every run), so kvspec sets it
-to the rig's directory while the backend is created."""
-
 _TOKEN_DIM = {"layer_first": 2, "page_first": 1}
 """The token dimension of the host pool's ``kv_buffer`` per layout (``[2, layers, tokens,
 heads, dim]``, ``[2, tokens, layers, heads, dim]``); ``page_first_direct`` is per page."""
+
+NIXL_STORAGE_DIR_ENV = "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"
+"""Where SGLang's ``nixl`` backend keeps its files (read once, when it is built)."""
+_ENV_LOCK = threading.Lock()
+"""Held while a backend that reads its directory from the environment is built."""
+
+
+def check_available(target: HiCacheTarget) -> None:
+    """Raise unless the packages ``target`` needs beyond SGLang import here.
+
+    Raises:
+        BackendUnavailableError: ``target`` is SGLang's ``nixl`` backend and ``nixl`` cannot
+            be imported (``scripts/sglang_env.sh`` installs ``nixl==1.5.1``).
+    """
+    if target.name != "nixl":
+        return
+    try:
+        importlib.import_module("nixl._api")
+    except ImportError as e:
+        raise BackendUnavailableError(
+            "SGLang's nixl HiCache backend needs the nixl package, which is not installed in "
+            f"this environment ({e}); scripts/sglang_env.sh installs nixl==1.5.1") from None
 
 
 def build_host_pool(config: HiCacheConfig) -> Any:
@@ -62,8 +85,8 @@ def make_storage_config(config: HiCacheConfig, target: HiCacheTarget, storage_di
     ``dynamic`` loader's three fields."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    extra: dict[str, Any] = {"file_storage_path": str(storage_dir), **dict(target.defaults),
-                             **config.extra_config}
+    extra: dict[str, Any] = copy.deepcopy({"file_storage_path": str(storage_dir),
+                                           **dict(target.defaults), **config.extra_config})
     if target.name == "dynamic":
         extra.update(backend_name=target.spec, module_path=target.module_path,
                      class_name=target.class_name)
@@ -82,22 +105,32 @@ def create_backend(target: HiCacheTarget, config: HiCacheConfig, host_pool: Any,
     Raises:
         InvalidArgumentError: SGLang's file or nixl directory variable is set (it would
             send every rank and every test to one directory).
+        BackendUnavailableError: ``target`` is ``nixl`` and ``nixl`` is not installed.
     """
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    for name in _DIR_VARIABLES.values():
+    for name in ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", NIXL_STORAGE_DIR_ENV):
         if os.environ.get(name):
-            raise InvalidArgumentError(f"unset {name}: it overrides the storage directory kvspec "
-                                       "gives each backend")
+            raise InvalidArgumentError(f"unset {name}: it overrides the storage directory "
+                                       "kvspec gives each backend")
+    check_available(target)
     storage_config = make_storage_config(config, target, storage_dir)
-    var = _DIR_VARIABLES.get(target.name)
-    if var is not None and target.name != "file":  # read only from the environment
-        os.environ[var] = str(storage_dir)
-    try:
+    if target.name == "nixl":
+        if "," in str(storage_dir):  # the variable is a comma-separated list of directories
+            raise InvalidArgumentError(f"SGLang's nixl backend cannot use {storage_dir}: "
+                                       "a comma separates its storage directories")
+        with _ENV_LOCK:
+            before = os.environ.get(NIXL_STORAGE_DIR_ENV)
+            os.environ[NIXL_STORAGE_DIR_ENV] = str(storage_dir)
+            try:
+                backend = StorageBackendFactory.create_backend(target.name, storage_config, host_pool)
+            finally:
+                if before is None:
+                    os.environ.pop(NIXL_STORAGE_DIR_ENV, None)
+                else:
+                    os.environ[NIXL_STORAGE_DIR_ENV] = before
+    else:
         backend = StorageBackendFactory.create_backend(target.name, storage_config, host_pool)
-    finally:
-        if var is not None:
-            os.environ.pop(var, None)
     backend.register_mem_pool_host(host_pool)
     backend.on_host_pools_registered()
     return backend
