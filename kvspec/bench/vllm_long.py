@@ -97,6 +97,8 @@ class LongArm:
     load_gbps: dict[int, float] = attrs.field(factory=dict)
     memcpy_gbps: dict[int, float] = attrs.field(factory=dict)
     cold_memcpy_gbps: dict[int, float] = attrs.field(factory=dict)
+    load_wait_ms: dict[int, float] = attrs.field(factory=dict)
+    load_start_ms: dict[int, float] = attrs.field(factory=dict)
 
     @property
     def over_floor_ms(self) -> dict[int, float]:
@@ -187,6 +189,12 @@ class LongResult:
                 out.append(f"  net connector part (over the floor minus the engine's), "
                            f"{a.name}: " + ", ".join(
                                f"{n}: {t:.1f} ms" for n, t in self.net_ms(a).items()))
+        if self.ours.load_wait_ms:
+            out.append(f"  {self.ours.name}: the forward waited for its load " + ", ".join(
+                f"{n}: {t:.2f} ms" for n, t in self.ours.load_wait_ms.items())
+                + "; the loader thread began " + ", ".join(
+                f"{n}: {t:.2f} ms" for n, t in self.ours.load_start_ms.items())
+                + " after start_load_kv handed it the load (pipelined loads)")
         out.append("  tokens taken from the connector: " + ", ".join(
             f"{a.name} {a.tokens_taken}" for a in (self.other, self.ours)))
         out.append("  tokens equal recompute's: " + ", ".join(
@@ -241,6 +249,8 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
     gbps: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
     memcpy: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
     cold: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
+    waits: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
+    starts: dict[str, dict[int, list[float]]] = {n: {k: [] for k in o.lengths} for n in names}
     counted = set()
     for name in names:
         e = fleet.engines[name]
@@ -277,6 +287,8 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
                     if name in counted:
                         stats = e.call(f"{PROBES}:copy_stats")
                         nbytes, us = stats.get("bytes_loaded", 0), stats.get("load_copy_us", 0)
+                        waits[name][n].append(stats.get("load_wait_us", 0) / 1e3)
+                        starts[name][n].append(stats.get("load_start_us", 0) / 1e3)
                         loaded[name][n].append(nbytes)
                         if nbytes and us:
                             gbps[name][n].append(nbytes / (us * 1e-6) / 1e9)
@@ -292,7 +304,8 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
         return LongArm(name, med(ttft[name]), statistics.median(floor[name]), taken[name],
                        same[name],
                        {n: int(statistics.median(v)) for n, v in loaded[name].items() if v},
-                       med(gbps[name]), med(memcpy[name]), med(cold[name]))
+                       med(gbps[name]), med(memcpy[name]), med(cold[name]),
+                       med(waits[name]), med(starts[name]))
 
     recompute, other, ours, engine = (arm(n) for n in names)
     return LongResult(o, recompute, other, ours, engine)

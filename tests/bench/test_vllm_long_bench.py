@@ -80,3 +80,8 @@ def test_the_target_is_judged_against_the_cold_memcpy() -> None:
     assert none.targets_met()["bandwidth_vs_memcpy"] is False
     text = "\n".join(base.lines())
     assert "cold memcpy GB/s" in text and "warm memcpy GB/s" in text and "no target" in text
+    assert "waited for its load" not in text
+    waited = attrs.evolve(base, ours=attrs.evolve(
+        base.ours, load_wait_ms={2064: 0.25}, load_start_ms={2064: 0.15}))
+    text = "\n".join(waited.lines())
+    assert "waited for its load 2064: 0.25 ms" in text and "2064: 0.15 ms after" in text

@@ -97,7 +97,7 @@ class _Job:
     """One request's load or store on this rank, as the worker tracks it."""
 
     __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future", "remaining",
-                 "layers")
+                 "layers", "submitted")
 
     def __init__(self, job: TransferJob, plan: CopyPlan | None, timeout_s: float) -> None:
         self.job = job
@@ -110,6 +110,7 @@ class _Job:
         self.lock = threading.Lock()
         self.future: concurrent.futures.Future[tuple[int, ...]] | None = None
         self.layers: tuple[threading.Event, ...] = ()  # a pipelined load: set per layer copied
+        self.submitted = 0.0  # a pipelined load: when it was handed to the loader
 
 
 class OffloadWorker(WorkerConnector):
@@ -370,8 +371,12 @@ class OffloadWorker(WorkerConnector):
             if j.cancelled:
                 continue  # past its deadline already: failed once, not again per layer
             done = j.layers[layer] if layer is not None else None
-            if done is not None and not done.wait(max(0.0, j.deadline - time.monotonic())):
+            if done is None or done.is_set():
+                continue
+            start = time.perf_counter()
+            if not done.wait(max(0.0, j.deadline - time.monotonic())):
                 self._cancel(j)  # reported failed by get_finished
+            self._count(load_wait_us=int((time.perf_counter() - start) * 1e6))
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, forward_context: ForwardContextView
@@ -647,6 +652,7 @@ class OffloadWorker(WorkerConnector):
             for done in j.layers:
                 done.set()
         else:
+            j.submitted = time.perf_counter()
             j.future = loader.submit(self._run_pipelined, pool, j)
             self._count(loads_pipelined=1)
         self._pipelined.append(j)
@@ -676,6 +682,7 @@ class OffloadWorker(WorkerConnector):
                     return False
 
                 start = time.perf_counter()
+                self._count(load_start_us=int((start - j.submitted) * 1e6))
                 if plan is not None and not pool.load_by_layer(
                         plan, lambda n: j.layers[n].set(), stop):
                     self._late(j)  # stopped between two layers
@@ -876,9 +883,11 @@ class OffloadWorker(WorkerConnector):
     def get_kv_connector_stats(self) -> SupportsAggregate | None:
         """``blocks_stored``, ``bytes_stored``, ``blocks_loaded``, ``bytes_loaded``,
         ``load_failures``, ``store_failures``, ``loads_pipelined`` (sync loads handed to the
-        loader thread) and the copy times ``store_copy_us`` and ``load_copy_us``
-        (background and loader copies; the layerwise path's drain is not timed) since the
-        last call, or None (EVT-006)."""
+        loader thread), the copy times ``store_copy_us`` and ``load_copy_us`` (background
+        and loader copies; the layerwise path's drain is not timed), and for pipelined
+        loads ``load_wait_us`` (how long the forward waited in ``wait_for_layer_load``) and
+        ``load_start_us`` (from ``start_load_kv`` handing a load to the loader thread to
+        its copy starting) since the last call, or None (EVT-006)."""
         with self._stats_lock:
             counters, self._counters = self._counters, {}
         # Zeros are never counted; the names are the worker's own, the values ints.
