@@ -18,8 +18,9 @@ finish and be reported, then pass 2 is timed (time to first token, one token gen
 The no-work floor is the same engine's time for a prompt shorter than a block. kvspec's
 bytes loaded and the time its copies took come from the worker's own counters; the memcpy
 ceiling is one contiguous copy of the same number of bytes in the same engine process, in
-the same round, with 512 MiB of other memory written first (cold: from and to memory, as
-the load copies); the same copy with its buffers in the CPU caches (warm) is printed too.
+the same round after its timed requests, with 512 MiB of other memory written first (cold:
+from and to memory, as the load copies); the same copy with its buffers in the CPU caches
+(warm) is printed too.
 Tokens are checked against the recompute engine. No vLLM import here.
 """
 
@@ -281,6 +282,7 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
                     taken[name][n] = (sum(e.call(f"{PROBES}:matched_tokens").values())
                                       if name != ENGINE_ONLY else out["num_cached_tokens"])
                 continue
+            probes: list[tuple[int, int]] = []
             for _ in range(o.hit_repeats):
                 for n, prompt in zip(o.lengths, prompts):
                     ttft[name][n].append(_timed(e, prompt))
@@ -292,11 +294,14 @@ def _run(fleet: _Fleet, o: LongOptions, names: list[str]) -> LongResult:
                         loaded[name][n].append(nbytes)
                         if nbytes and us:
                             gbps[name][n].append(nbytes / (us * 1e-6) / 1e9)
-                            memcpy[name][n].append(e.call(f"{PROBES}:memcpy_gbps",
-                                                          nbytes=nbytes))
-                            cold[name][n].append(e.call(f"{PROBES}:memcpy_gbps",
-                                                        nbytes=nbytes, cold=True))
+                            probes.append((n, nbytes))
                 floor[name].append(_timed(e, _NO_WORK))
+            # The ceilings after the round's timed requests: a cold probe writes 3.5 GB and
+            # leaves the caches full of dirty lines, which the next timed request would pay
+            # to write back (only this arm runs probes).
+            for n, nbytes in probes:
+                memcpy[name][n].append(e.call(f"{PROBES}:memcpy_gbps", nbytes=nbytes))
+                cold[name][n].append(e.call(f"{PROBES}:memcpy_gbps", nbytes=nbytes, cold=True))
 
     def arm(name: str) -> LongArm:
         def med(values: dict[int, list[float]]) -> dict[int, float]:
