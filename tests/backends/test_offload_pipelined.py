@@ -94,7 +94,7 @@ class _Gate:
         self.reached = threading.Event()
         original = HostPool.load_by_layer
 
-        def gated(pool: HostPool, plan: Any, done: Any, stop: Any) -> bool:
+        def gated(pool: HostPool, plan: Any, done: Any, stop: Any, index: Any = None) -> bool:
             def step(n: int) -> None:
                 done(n)
                 if n + 1 == at:
@@ -104,7 +104,7 @@ class _Gate:
             if at == 0:
                 self.reached.set()
                 self.opened.wait(30)
-            return original(pool, plan, step, stop)
+            return original(pool, plan, step, stop, index)
 
         monkeypatch.setattr(HostPool, "load_by_layer", gated)
 

@@ -241,6 +241,9 @@ class HostPool:
         self._arange = torch.arange(rows, dtype=torch.int64)
         host = self.host.view(dtype)
         self._host = host.view(-1, rows) if self.path != "elements" else host.view(-1)
+        self._host_blocks = (host.view(slots, self.entries_per_block, rows)
+                             if self.path != "elements" else host)
+        """``[slots, entries_per_block, rows]``: a slot's regions (not the elements path)."""
         # For the few-region moves: the tensors (held, so the addresses stay valid while a
         # move runs, even across ``release``), layer 0's first byte, the pool's first byte.
         # Only where every region of every block id below num_blocks lies inside the
@@ -447,22 +450,32 @@ class HostPool:
         host, microseconds in all."""
         return self._addrs is not None and len(plan.block_ids) * self.regions_per_block <= _FEW
 
+    def layer_index(self, plan: CopyPlan) -> torch.Tensor:
+        """``load_by_layer``'s index of ``plan``: ``[blocks, entries_per_block]`` rows of the
+        KV view. Built by whoever holds the GIL anyway (the engine's thread, as it hands
+        the load over), so the copying thread starts copying at once."""
+        return self._index(plan).view(len(plan.block_ids), self.entries_per_block)
+
     def load_by_layer(self, plan: CopyPlan, done: Callable[[int], object],
-                      stop: Callable[[], bool]) -> bool:
+                      stop: Callable[[], bool], index: torch.Tensor | None = None) -> bool:
         """``load``, one layer storage after the other (``layer_chunks``, which must not be
         empty): after copying storage ``n``'s regions of every block, call ``done(n)``;
         before each, stop (returning False) when ``stop()`` is true. One ``index_put_``
         per run and layer, from a strided view of the pool's rows (no temporary); True when
-        every layer was copied."""
-        k = self.entries_per_block
-        entries = self._index(plan)
+        every layer was copied. ``index``: ``layer_index(plan)``, if built already.
+
+        Between two layers this thread runs only indexing (which keeps the GIL) and the
+        callbacks: every other PyTorch call releases the GIL and must win it back from the
+        engine's thread, which runs the forward in Python, and each such wait (tens of
+        microseconds) is a gap in the copy."""
+        entries = self.layer_index(plan) if index is None else index
+        host = self._host_blocks
         for n, (lo, hi) in enumerate(self.layer_chunks):
             if stop():
                 return False
             for slot, pos, count in plan.runs:
-                index = entries[pos * k:(pos + count) * k].view(count, k)[:, lo:hi]
-                src = self._host_rows(slot, count).view(count, k, -1)[:, lo:hi]
-                self._view.index_put_((index,), src)
+                self._view.index_put_((entries[pos:pos + count, lo:hi],),
+                                      host[slot:slot + count, lo:hi])
             done(n)
         return True
 
@@ -470,5 +483,5 @@ class HostPool:
         """Drop the references to the KV caches and the host memory (WRK-015)."""
         empty = torch.empty(0, dtype=torch.uint8)
         self._addrs = None  # a move running now keeps its own reference
-        self._view = self._arange = self._bases = self._host = empty
+        self._view = self._arange = self._bases = self._host = self._host_blocks = empty
         self.host = empty.view(0, 0)

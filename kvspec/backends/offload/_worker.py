@@ -97,7 +97,7 @@ class _Job:
     """One request's load or store on this rank, as the worker tracks it."""
 
     __slots__ = ("job", "plan", "deadline", "cancelled", "lock", "future", "remaining",
-                 "layers", "submitted")
+                 "layers", "submitted", "index")
 
     def __init__(self, job: TransferJob, plan: CopyPlan | None, timeout_s: float) -> None:
         self.job = job
@@ -111,6 +111,7 @@ class _Job:
         self.future: concurrent.futures.Future[tuple[int, ...]] | None = None
         self.layers: tuple[threading.Event, ...] = ()  # a pipelined load: set per layer copied
         self.submitted = 0.0  # a pipelined load: when it was handed to the loader
+        self.index: torch.Tensor | None = None  # a pipelined load: its plan's layer index
 
 
 class OffloadWorker(WorkerConnector):
@@ -652,6 +653,7 @@ class OffloadWorker(WorkerConnector):
             for done in j.layers:
                 done.set()
         else:
+            j.index = pool.layer_index(plan)
             j.submitted = time.perf_counter()
             j.future = loader.submit(self._run_pipelined, pool, j)
             self._count(loads_pipelined=1)
@@ -684,7 +686,8 @@ class OffloadWorker(WorkerConnector):
                 start = time.perf_counter()
                 self._count(load_start_us=int((start - j.submitted) * 1e6))
                 if plan is not None and not pool.load_by_layer(
-                        plan, lambda n: j.layers[n].set(), stop):
+                        plan, lambda n: j.layers[n].set(), stop,
+                        j.index if plan is j.plan else None):
                     self._late(j)  # stopped between two layers
                     self._count(load_failures=len(job))
                     return job.block_ids
