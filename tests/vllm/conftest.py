@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]  # the checkout: engines import its kvspec, also from a git worktree
 
 BLOCK = 32
 # k*32+1 tokens: a P/D hand-off recomputes exactly the last token.
@@ -52,7 +53,7 @@ def engine(spec: dict[str, Any], log_dir: Path, name: str, **env: str) -> Any:
     from kvspec.bench.vllm_engine import EngineProcess
 
     log = (log_dir / f"{name}.log").open("w")
-    return EngineProcess(spec, log=log, env={"PYTHONPATH": str(HERE), **env})
+    return EngineProcess(spec, log=log, env={"PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]), **env})
 
 
 @pytest.fixture(scope="session")

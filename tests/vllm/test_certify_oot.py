@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 
 def _conform(name: str, tmp: Path, *args: str) -> tuple[int, dict[str, Any], float]:
     exe = Path(sys.executable).with_name("kvspec")
-    env = {**os.environ, "PYTHONPATH": str(HERE / "oot"), "KVSPEC_VLLM_PYTHON": sys.executable}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "oot"), str(HERE.parents[1])]), "KVSPEC_VLLM_PYTHON": sys.executable}
     start = time.monotonic()
     proc = subprocess.run(
         [str(exe), "conform", f"vllm:oot_connectors:{name}", "--json",
