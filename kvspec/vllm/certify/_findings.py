@@ -297,6 +297,26 @@ FINDINGS: tuple[Finding, ...] = (
         "not seen since that was fixed. Kept, unblamed, in case it comes back.",
     ),
     Finding(
+        "LM-7", "LMCacheMPConnector", "ERR-010",
+        r"register_kv_caches raised ValueError: engine-driven transfer does not support "
+        r"multiple KV transfer groups",
+        "connector bug",
+        "It declares hybrid-model support but cannot register a hybrid model's KV caches "
+        "without CUDA",
+        "The connector declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV-cache "
+        "allocator on and a hybrid model (sliding-window layers beside full attention) "
+        "reaches `register_kv_caches` with two KV-cache groups. Without CUDA, lmcache 0.5.6 "
+        "uses its engine-driven transfer, whose registration refuses more than one transfer "
+        "group with a ValueError (lmcache/v1/multiprocess/transfer_context/"
+        "worker_transfer.py, `EngineDrivenTransferContext.register`): in vLLM the worker "
+        "dies and the engine never starts. The limit is lmcache's own and documented there; "
+        "the bug is declaring `SupportsHMA` on a path that cannot honour it.",
+        fix="on a transfer path that takes one group, refuse hybrid models at configuration "
+        "time with a message naming the limit (or move each group on its own), instead of "
+        "failing the worker at registration.",
+        reproducer="docs/vllm-findings/LM-7.py",
+    ),
+    Finding(
         "DB-1", "DecodeBenchConnector", "WRK-013", r"was loaded with wrong bytes",
         "connector quirk",
         "It fills matched blocks with constant values, by design",
