@@ -160,7 +160,8 @@ def kv_cache_groups(llm: Any) -> dict[str, Any]:
     }
 
 
-def reset_prefix_cache(llm: Any) -> bool:
-    """Drop vLLM's own prefix cache (not the connector's): the next request's prefix comes
-    from the connector or is recomputed."""
-    return bool(llm.reset_prefix_cache())
+def reset_prefix_cache(llm: Any, reset_connector: bool = False) -> bool:
+    """Drop vLLM's own prefix cache, and with ``reset_connector`` the connector's too
+    (vLLM calls its ``reset_cache``, SCH-032): the next request's prefix comes from the
+    connector or is recomputed. vLLM's answer: False when a reset was refused."""
+    return bool(llm.reset_prefix_cache(reset_connector=reset_connector))
