@@ -197,6 +197,31 @@ class SchedulerConnector(Protocol):
         """
         return False
 
+    def reset_cache(self) -> bool:
+        """Forget every KV the connector could serve, or refuse to (SCH-032).
+
+        When: between two engine steps, never inside another hook, when the engine's user
+        resets the prefix cache (vLLM: ``reset_prefix_cache(reset_connector=True)``, a pause
+        or sleep that clears the caches), typically after a weight update, so KV computed
+        before the call is wrong for the model after it. Requests may still be running or
+        waiting for a load, and stores may still be in flight (SCH-033).
+
+        Must return True only when nothing stored before the call (stored, being stored,
+        or computed before the call by a request still running and stored later) can be
+        matched or loaded by a later ``get_num_new_matched_tokens`` / load, on any rank;
+        False when it cannot promise that, and then change nothing. Loads already planned
+        before the call may finish (their requests were matched before the reset).
+        Must keep every other obligation: no leaked slot, pin or block reference (SCH-030),
+        in-flight transfers still reported exactly once (WRK-009).
+        Must never: answer True and later match or load KV from before the call (SCH-032);
+        block on a transfer (SCH-025).
+
+        Default: False (refuse). A connector that does not implement the hook cannot know
+        what it still serves; refusing makes the engine report the reset as failed (SCH-033)
+        rather than serve KV computed with the old weights.
+        """
+        return False
+
     def shutdown(self) -> None:
         """Release every resource of the scheduler role (SCH-027).
 

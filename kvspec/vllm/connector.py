@@ -515,6 +515,27 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._tick(t0)
         self._sched().update_connector_output(out)
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """Every KV-cache group (KVG-009): vLLM asks after a positive match which groups
+        the load restores, to skip zeroing their external blocks and, for a bounded-replay
+        sliding-window group, replaying its last window. A kvspec connector runs only on
+        groups it declared (KVG-002) and delivers every group's needed blocks of a match
+        (KVG-003), so the load restores them all; vLLM's default, the prefix-cacheable
+        groups, leaves out a bounded-replay window group that the connector did load."""
+        return tuple(range(self._groups))
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (also a pause or sleep that
+        clears the caches): the scheduler role's ``reset_cache`` (SCH-032). Always a bool,
+        never the None vLLM reads as a reset done: a connector that keeps the default
+        refuses (False), and vLLM then reports the reset failed (SCH-033); any answer but
+        True counts as a refusal."""
+        answer: object = self._sched().reset_cache()
+        if not isinstance(answer, bool):
+            log.warning("connector %r: reset_cache returned %r, not a bool (SCH-032); the "
+                        "reset is reported refused", self._factory.name, answer)
+        return answer is True
+
     def take_events(self) -> Iterable[Any]:
         """The scheduler role's KV-cache events, as vLLM's (EVT-004)."""
         return to_vllm_events(self._sched().take_events())

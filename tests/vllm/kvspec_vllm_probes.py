@@ -160,7 +160,40 @@ def kv_cache_groups(llm: Any) -> dict[str, Any]:
     }
 
 
-def reset_prefix_cache(llm: Any) -> bool:
-    """Drop vLLM's own prefix cache (not the connector's): the next request's prefix comes
-    from the connector or is recomputed."""
-    return bool(llm.reset_prefix_cache())
+def reset_prefix_cache(llm: Any, reset_connector: bool = False) -> bool:
+    """Drop vLLM's own prefix cache, and with ``reset_connector`` the connector's too
+    (vLLM calls its ``reset_cache``, SCH-032): the next request's prefix comes from the
+    connector or is recomputed. vLLM's answer: False when a reset was refused."""
+    return bool(llm.reset_prefix_cache(reset_connector=reset_connector))
+
+
+def record_loaded_groups(llm: Any) -> dict[str, Any]:
+    """Record every answer of the scheduler-side connector's
+    ``get_loaded_kv_cache_group_ids`` from now on (KVG-009), and say what vLLM's base class
+    would answer for this engine (its prefix-cacheable groups), whether vLLM zeroes new
+    blocks for this model and which groups it would replay a window of (in-process
+    engines only)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    conn = scheduler.connector
+    answers: list[list[int]] = []
+    ask = conn.get_loaded_kv_cache_group_ids
+
+    def recorded(request: Any) -> tuple[int, ...]:
+        out: tuple[int, ...] = ask(request)
+        answers.append(list(out))
+        return out
+
+    conn.get_loaded_kv_cache_group_ids = recorded
+    conn._kvspec_loaded_answers = answers
+    return {"base_default": list(KVConnectorBase_V1.get_loaded_kv_cache_group_ids(conn, None)),
+            "transfer_groups": list(scheduler.kv_cache_config.transfer_group_ids),
+            "zeroing": bool(scheduler.needs_kv_cache_zeroing),
+            "replay_groups": list(scheduler.prefix_replay_group_ids)}
+
+
+def loaded_group_answers(llm: Any) -> list[list[int]]:
+    """The answers ``record_loaded_groups`` recorded, in call order."""
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return list(conn._kvspec_loaded_answers)

@@ -56,6 +56,30 @@ def test_offload_stores_then_loads_identical_tokens_and_the_loaded_bytes_are_use
     assert all(r["tokens"] != b for r, b in zip(third, baseline))
 
 
+def test_reset_prefix_cache_with_the_connector_makes_the_next_request_recompute(
+        vllm_logs: Path, baseline: list[list[int]], engines: list[Any]) -> None:
+    """SCH-032 SCH-033: after the offload backend stored and served the prompts,
+    ``LLM.reset_prefix_cache(reset_connector=True)`` reaches its ``reset_cache`` through
+    KVSpecConnector and succeeds; the same prompts are then recomputed (no token from the
+    connector, vLLM's own prefix cache being off) with the baseline's tokens, stored again,
+    and served from the host tier in the next round."""
+    e = _store_then_load({"factory": OFFLOAD, "extra": {"offload_slots": 64}}, vllm_logs,
+                         "offload-reset", baseline, engines)
+    stored = e.call(f"{PROBES}:offload_scheduler_stats")["resident_blocks"]
+    assert stored == sum(_full_blocks(p) for p in PROMPTS) // BLOCK
+    assert e.call(f"{PROBES}:reset_prefix_cache", reset_connector=True) is True
+    stats = e.call(f"{PROBES}:offload_scheduler_stats")
+    assert stats["resets"] == 1 and stats["resident_blocks"] == 0
+    third = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in third] == [0, 0, 0]
+    assert [r["tokens"] for r in third] == baseline
+    fourth = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+    assert [r["num_cached_tokens"] for r in fourth] == [_full_blocks(p) for p in PROMPTS]
+    assert [r["tokens"] for r in fourth] == baseline
+    stats = e.call(f"{PROBES}:offload_scheduler_stats")
+    assert stats["resident_blocks"] == stored and stats["pinned_slots"] == 0
+
+
 @pytest.mark.parametrize("engine_core_process", [False, True],
                          ids=["in-process", "engine-core-process"])
 def test_offload_serves_the_next_call_after_an_idle_gap(
@@ -151,6 +175,9 @@ def test_example_connectors_run_in_vllm(vllm_logs: Path, baseline: list[list[int
     second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["tokens"] for r in second] == baseline
     assert [r["num_cached_tokens"] for r in second] == [_full_blocks(p) for p in PROMPTS]
+    # SCH-033: the shared-storage connector keeps the default reset_cache (False): vLLM
+    # reports the reset refused, and the files still serve
+    assert e.call(f"{PROBES}:reset_prefix_cache", reset_connector=True) is False
     e.close()
     layerwise = {"factory": "kvspec.conformance.connectors.layerwise:LayerwiseStorageConnector",
                  "extra": {"storage_dir": str(store)}}

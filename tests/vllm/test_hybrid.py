@@ -69,6 +69,7 @@ def test_offload_stores_and_loads_both_groups_of_the_hybrid_model(
                "hybrid-offload")
     engines.append(e)
     assert len(_groups(e)["groups"]) == 2
+    loaded = e.call(f"{PROBES}:record_loaded_groups")
     full = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
     first = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["num_cached_tokens"] for r in first] == [0, 0]
@@ -76,6 +77,14 @@ def test_offload_stores_and_loads_both_groups_of_the_hybrid_model(
     second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["num_cached_tokens"] for r in second] == full
     assert [r["tokens"] for r in second] == baseline
+    # KVG-009: vLLM asked which groups each hit's load restores and heard both; none of
+    # the loaded tokens was handed back for recomputation (num_cached_tokens is the whole
+    # hit). On this model vLLM's default answer is both groups too, and vLLM neither
+    # zeroes new blocks nor replays a window (no state or bounded-replay group), so the
+    # answer changes nothing here; it does for a bounded-replay window group.
+    assert e.call(f"{PROBES}:loaded_group_answers") == [[0, 1], [0, 1]]
+    assert loaded == {"base_default": [0, 1], "transfer_groups": [0, 1], "zeroing": False,
+                      "replay_groups": []}, loaded
     assert e.call(f"{PROBES}:tracked_requests") == 0
     for group in (0, 1):  # vLLM's group 0 is the sliding-window one
         assert e.call(f"{PROBES}:corrupt_offload_pool", group=group) > 0

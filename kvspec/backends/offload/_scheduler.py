@@ -22,6 +22,7 @@ from typing_extensions import Self
 from kvspec.protocols import (
     NULL_BLOCK_ID,
     AllocatedBlocks,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     CapabilityError,
@@ -583,6 +584,10 @@ class OffloadScheduler(SchedulerConnector):
     Per-block work is a handful of C-level container operations: planning a 256-block
     store or load costs tens of microseconds (``kvspec bench offload`` measures it).
 
+    ``reset_cache`` (SCH-032) drops the whole index and answers True: nothing stored or
+    being stored before it is matched again, and nothing a request known at the reset
+    computed is stored after it.
+
     Several KV-cache groups (KVG-001): one full-attention group (the *spine*, whose
     block positions are the keys) beside full or sliding-window groups. A slot holds every
     group's bytes of one position; a position whose sliding-window block was already freed
@@ -640,6 +645,8 @@ class OffloadScheduler(SchedulerConnector):
         self._sync_loaded: dict[int, tuple[bytes, int]] = {}  # block id -> last sync load
         self._events: list[KVCacheEvent | _Record] = []  # stores: events built on take
         self._counters: Counter[str] = Counter()
+        self._stale_tags: set[int] = set()  # stores in flight at a reset: never indexed
+        self._no_store: set[str] = set()  # requests known at a reset: never stored
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -648,7 +655,8 @@ class OffloadScheduler(SchedulerConnector):
         planned), ``miss_blocks`` (blocks stored because they were not), ``evictions``,
         ``stores_skipped`` (no unpinned slot), ``load_failures`` (blocks),
         ``pending_hit_blocks`` (loads of blocks whose store was in flight, SCH-031),
-        ``store_failures`` (blocks), and gauges ``resident_blocks``, ``pinned_slots``,
+        ``store_failures`` (blocks), ``resets`` (``reset_cache`` calls), ``stale_stores``
+        (blocks whose store was in flight at a reset, never indexed), and gauges ``resident_blocks``, ``pinned_slots``,
         ``capacity_slots``."""
         out = {k: int(v) for k, v in self._counters.items()}
         for name in ("lookups", "hit_blocks", "miss_blocks", "evictions", "stores_skipped",
@@ -968,6 +976,7 @@ class OffloadScheduler(SchedulerConnector):
         self._running.pop(rid, None)
         stored_before = rid in self._saving  # eager stores: reported with the finish
         if rid in self._loading:
+            self._no_store.discard(rid)
             self._pending_aborts.append(rid)
             return stored_before, None
         held = rid in self._late  # a copy may still write its blocks: hold them (WRK-017)
@@ -975,6 +984,9 @@ class OffloadScheduler(SchedulerConnector):
             self._late.discard(rid)
             self._holding.add(rid)
             self._pending_held.append(rid)
+        if rid in self._no_store:  # its KV was computed (or loaded) before a reset
+            self._no_store.discard(rid)
+            return stored_before or held, None
         full = min(len(request.block_hashes), request.num_computed_tokens // self._block_size,
                    len(block_ids), *map(len, groups))
         planned = self._plan_store(request, block_ids, 0, full, groups, (0,) * len(groups))
@@ -1048,7 +1060,7 @@ class OffloadScheduler(SchedulerConnector):
         bs = self._block_size
         todo: list[tuple[_Running, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
-            if new.request_id in self._known:
+            if new.request_id in self._known and new.request_id not in self._no_store:
                 r = running[new.request_id] = _Running(new.request, new.blocks, self._spine)
                 todo.append((r, new.num_computed_tokens))
         for cached in scheduler_output.scheduled_cached_reqs:
@@ -1155,21 +1167,26 @@ class OffloadScheduler(SchedulerConnector):
             self._holding.discard(rid)
             for record in self._saving.pop(rid, ()):
                 job = record.job
-                inflight = self._inflight
-                if len(inflight) == len(record.keys):  # the only store in flight
-                    inflight.clear()
+                stale = bool(self._stale_tags) and job.tags[0] in self._stale_tags
+                if stale:  # in flight at a reset: its keys were forgotten then (SCH-032)
+                    self._stale_tags.discard(job.tags[0])
                 else:
-                    for key in record.keys:
-                        del inflight[key]
-                if rid in failed_stores:  # never advertised: slots back, once unpinned
-                    self._partial.difference_update(record.keys)
+                    inflight = self._inflight
+                    if len(inflight) == len(record.keys):  # the only store in flight
+                        inflight.clear()
+                    else:
+                        for key in record.keys:
+                            del inflight[key]
+                if stale or rid in failed_stores:  # never advertised: slots back, once unpinned
+                    if not stale:
+                        self._partial.difference_update(record.keys)
                     pinned = self._pinned_slots() if self._pinning else set()
                     for slot in job.slots:
                         if slot in pinned:  # a load of the pending store reads it (and fails)
                             self._zombies.add(slot)
                         else:
                             self._release_slot(slot)
-                    self._counters["store_failures"] += len(job)
+                    self._counters["stale_stores" if stale else "store_failures"] += len(job)
                     continue
                 tag, slots = job.tags[0], job.slots
                 self._index.update(zip(record.keys, slots))
@@ -1181,6 +1198,27 @@ class OffloadScheduler(SchedulerConnector):
                         self._slot_tag[slot] = tag
                 insert_many(record.keys)
                 self._events.append(record)  # its BlockStored events, built by take_events
+
+    def reset_cache(self) -> bool:
+        """Forget every stored block and answer True (SCH-032): the host tier's index is
+        dropped (slots free now, or when the last in-flight load reading them ends), stores
+        in flight are never indexed (their slots come back when they are reported), the
+        requests known now (whose KV was computed or loaded before the reset) are never
+        stored, and the events not yet taken become one ``AllBlocksCleared``. Loads planned
+        before the reset still run; every transfer in flight is still reported once.
+        """
+        for key in list(self._index):
+            self._drop(key, evicted=False)
+        for records in self._saving.values():
+            self._stale_tags.update(record.job.tags[0] for record in records)
+        self._inflight.clear()
+        self._partial.clear()
+        self._sync_loaded.clear()
+        self._running.clear()
+        self._no_store = set(self._known)
+        self._events = [AllBlocksCleared()]
+        self._counters["resets"] += 1
+        return True
 
     def _note_late(self, late: frozenset[str]) -> None:
         """Remember the running requests a rank reported a late load of: their blocks are
@@ -1213,5 +1251,6 @@ class OffloadScheduler(SchedulerConnector):
             self._pending_loads, self._pending_stores, self._pending_aborts, self._events,
             self._late, self._holding, self._pending_held,
             self._index, self._pinning, self._zombies, self._sync_loaded, self._partial,
+            self._stale_tags, self._no_store,
         ):
             state.clear()

@@ -28,6 +28,7 @@ import msgspec
 import torch
 from typing_extensions import Self
 
+from kvspec.backends.offload import OffloadConnector, OffloadScheduler
 from kvspec.protocols import (
     AllocatedBlocks,
     ConnectorMetadata,
@@ -56,6 +57,7 @@ from .shared_storage import (
 from .storage import KVBlocks, block_path, stored_events, write_block_file, write_marker
 
 __all__ = [
+    "IgnoresResetConnector",
     "AssumesNhdConnector",
     "AssertsCapacityConnector",
     "AsyncZeroConnector",
@@ -1045,8 +1047,32 @@ class UnsyncedWriterConnector(LayerwiseStorageConnector):
         return "broken-unsynced-writer"
 
 
+class _IgnoresResetScheduler(OffloadScheduler):
+    """Answers True to a cache reset and keeps its index (SCH-032)."""
+
+    def reset_cache(self) -> bool:
+        return True
+
+
+class IgnoresResetConnector(OffloadConnector):
+    """Breaks SCH-032: the offload backend answering True to ``reset_cache`` while it keeps
+    serving its host tier, as a connector that ignores the reset does (vLLM reads a
+    connector that does not implement the hook as reset): after a weight update it serves
+    KV computed with the old weights."""
+
+    violates: ClassVar[str] = "SCH-032"
+    selection: ClassVar[str] = "test_cache_reset"
+    scheduler_class = _IgnoresResetScheduler
+
+    @property
+    def name(self) -> str:
+        """``"broken-ignores-reset"``."""
+        return "broken-ignores-reset"
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
-                               | type[UnsyncedWriterConnector], str], ...] = tuple(
+                               | type[UnsyncedWriterConnector]
+                               | type[IgnoresResetConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
         FullPromptHitConnector,
@@ -1076,6 +1102,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         UnsyncedWriterConnector,
         WaitingOutputConnector,
         LateWriterConnector,
+        IgnoresResetConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

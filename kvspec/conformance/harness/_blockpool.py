@@ -137,6 +137,12 @@ class BlockPool:
                 self._evictable.pop(block, None)
                 self._free.append(block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cache entry (a cache reset, SCH-033): no block is hit again; the
+        unreferenced ones are free."""
+        for block in list(self._hash_of):
+            self.uncache(block)
+
     def evict_beyond(self, hashes: list[bytes], keep: int) -> list[int]:
         """Evict the unreferenced cached blocks of ``hashes[keep:]``, as memory pressure
         would; return them (now free and uncached)."""

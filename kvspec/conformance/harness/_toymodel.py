@@ -17,7 +17,7 @@ import hashlib
 
 import torch
 
-__all__ = ["POISON", "ToyModel", "prefix_hashes", "tenant_seed"]
+__all__ = ["POISON", "ToyModel", "prefix_hashes", "tenant_seed", "weights_seed"]
 
 POISON = 111
 """The value written into freed blocks; never produced by the model (nor are the other
@@ -30,6 +30,16 @@ _VOCAB = 997
 def tenant_seed(cache_salt: str | None, lora_id: int | None) -> int:
     """A 61-bit seed that separates tenants (salt) and adapters (LoRA)."""
     digest = hashlib.blake2b(f"{cache_salt!r}|{lora_id!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK
+
+
+def weights_seed(seed: int, generation: int) -> int:
+    """``seed`` under the model's weights of ``generation`` (0: the first weights, ``seed``
+    itself): the harness changes the weights at a cache reset (SCH-032), so the KV of the
+    same tokens differs before and after it, as it does after a real weight update."""
+    if generation == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}|{generation}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _MASK
 
 

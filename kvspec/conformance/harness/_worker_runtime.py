@@ -648,6 +648,14 @@ class WorkerRuntime:
                     "was reported finished (or its layer's wait returned)", "expected": "a load "
                     "either fills the block before it is used or is reported failed with the "
                     "block in invalid_block_ids"}
+        for seed in r.get("stale_seeds", ()):
+            stale = prefix_hashes(tuple(r["tokens"][: pos + 1]), seed)[-1]
+            if torch.equal(got, self.model.kv([stale], layer, self.heads)[0].to(got.dtype)):
+                return {"clause": "SCH-032", "observed": f"{where} holds the KV of the same "
+                        "tokens computed before a cache reset the connector accepted (its "
+                        "reset_cache answered True)", "expected": "nothing stored, being "
+                        "stored or computed before an accepted reset matched or loaded "
+                        "after it"}
         for seed in r.get("other_seeds", ()):
             other = prefix_hashes(tuple(r["tokens"][: pos + 1]), seed)[-1]
             if torch.equal(got, self.model.kv([other], layer, self.heads)[0].to(got.dtype)):

@@ -52,7 +52,7 @@ from kvspec.protocols import (
 
 from ._blockpool import BlockPool, block_hashes
 from ._resources import Snapshot, snapshot
-from ._toymodel import ToyModel, tenant_seed
+from ._toymodel import ToyModel, tenant_seed, weights_seed
 from ._worker_groups import InProcessWorkers, ProcessWorkers, WorkerGroup
 from ._worker_runtime import open_device
 from .config import HarnessConfig
@@ -256,6 +256,9 @@ class Engine:
                               list[dict[str, Any]]] | None = None
         self._sync_loads = False
         self._seeds: set[int] = set()
+        self._generation = 0  # the model's weights: changed by each cache reset (SCH-032)
+        self._stale_seeds: set[int] = set()  # seeds of the weights before the last reset
+        self._history: list[str] = []  # the runs and resets so far, for _reproduce
         self._events: list[KVCacheEvent] = []
         self._external: dict[str, int] = {}
         self._matched: dict[str, int] = {}
@@ -286,7 +289,7 @@ class Engine:
         spec = scale_request(spec, self.config.block_size, self.config.token_scale)
         if spec.request_id in self.requests:
             raise InvalidArgumentError(f"request {spec.request_id!r} was already added")
-        seed = tenant_seed(spec.cache_salt, spec.lora_id)
+        seed = weights_seed(tenant_seed(spec.cache_salt, spec.lora_id), self._generation)
         self._seeds.add(seed)
         tokens = self.model.generate(spec.prompt, seed, spec.max_new_tokens)
         r = _Req(spec, tokens, seed, block_hashes(tokens, self.config.block_size,
@@ -306,6 +309,45 @@ class Engine:
         if r in self.waiting:
             self.waiting.remove(r)
         self._finish(r)
+
+    def reset_cache(self) -> bool:
+        """Reset the caches between two steps, as an engine does before a weight update
+        (vLLM's ``reset_prefix_cache(reset_connector=True)``), and return whether the reset
+        took (SCH-032, SCH-033).
+
+        The connector's ``reset_cache`` is asked first, whatever runs or is in flight; any
+        answer but True refuses the reset and changes nothing. On True the engine's own
+        prefix cache forgets every block and the model's weights change: from then on the
+        same tokens have other KV, so a connector that serves KV from before the reset
+        (stored, in flight, or computed before it by a request still running) loads bytes
+        the byte checks attribute to SCH-032.
+
+        The harness resets once every request has ended (``run(..., leave_pending=True)``
+        leaves their stores and delayed frees in flight): requests that were waiting or
+        running across a weight change are not modelled.
+
+        Raises:
+            ContractViolation: ``reset_cache`` did not return a bool (SCH-032).
+            InvalidArgumentError: a request is still waiting, running or receiving.
+        """
+        if self.waiting or self.running or self.remote:
+            raise InvalidArgumentError(
+                "harness: reset_cache is modelled once every request has ended; "
+                f"{len(self.waiting)} waiting, {len(self.running)} running, "
+                f"{len(self.remote)} receiving")
+        ask = getattr(self.scheduler, "reset_cache", None)
+        answer = False if ask is None else self._timed("reset_cache", ask)
+        if not isinstance(answer, bool):
+            self._violate("SCH-032", f"reset_cache() returned {answer!r}",
+                          "True (nothing from before the reset is served again) or False "
+                          "(the reset refused, nothing changed)")
+        self._history.append(f"engine.reset_cache()  # answered {answer!r}")
+        if not answer:
+            return False
+        self.pool.reset_prefix_cache()
+        self._stale_seeds |= self._seeds
+        self._generation += 1
+        return True
 
     @property
     def idle(self) -> bool:
@@ -358,6 +400,8 @@ class Engine:
         stores and delayed frees still unreported stay so until the next ``run``
         (SCH-031), and the end-of-run leak checks wait for a run that drains."""
         self.workload = workload
+        self._history.append(f"engine.run({self._described(workload)}"
+                             f"{', leave_pending=True' if leave_pending else ''})")
         self._check_freed = True  # what was written into freed blocks since (WRK-017)
         arrivals: dict[int, list[RequestSpec]] = {}
         aborts: dict[int, list[str]] = {}
@@ -537,7 +581,8 @@ class Engine:
                 "id": r.rid, "tokens": list(r.tokens[: start + n]), "seed": r.seed,
                 "blocks": list(r.blocks), "window": list(r.window), "start": start, "n": n,
                 "ext": list(r.ext),
-                "other_seeds": sorted(self._seeds - {r.seed}),
+                "other_seeds": sorted(self._seeds - self._stale_seeds - {r.seed}),
+                "stale_seeds": sorted(self._stale_seeds - {r.seed}),
             })
 
         for r in list(self.running):
@@ -1028,8 +1073,8 @@ class Engine:
 
         cfg = ", ".join(f"{k}={py(v)}" for k, v in attrs.asdict(self.config, recurse=False).items()
                         if v != attrs.fields_dict(HarnessConfig)[k].default)
-        wl = self.workload.describe() if self.workload else "Workload([])  # requests added by hand"
-        wl = wl.replace("\n    ", "\n        ").replace("\n])", "\n    ])")  # inside the with
+        runs = self._history if any("reset_cache" in h for h in self._history) else []
+        body = "\n    ".join(runs) if runs else f"engine.run({self._described(self.workload)})"
         names = ", ".join(sorted({"load_factory", *enums}))
         return (
             f"# reproduce: fails at step {self.step_id}\n"
@@ -1037,8 +1082,14 @@ class Engine:
             f"from kvspec.protocols import {names}\n\n"
             f"factory = load_factory({self._spec!r})\n"
             f"with Engine(factory, HarnessConfig({cfg})) as engine:\n"
-            f"    engine.run({wl})"
+            f"    {body}"
         )
+
+    @staticmethod
+    def _described(workload: Workload | None) -> str:
+        """``workload`` as Python, indented for the body of a ``with`` block."""
+        wl = workload.describe() if workload else "Workload([])  # requests added by hand"
+        return wl.replace("\n    ", "\n        ").replace("\n])", "\n    ])")
 
 class _ConnectorReferences:
     """The harness's ``BlockReferences``: the connector's references on pool blocks (SCH-030).

@@ -209,6 +209,51 @@ class TestEngine(ConformanceSuite):
                    "(offer stores still in flight as loads ordered after them, or store "
                    "before reporting the request finished)")
 
+    @pytest.mark.kvspec_clause("SCH-032", "SCH-033")
+    def test_cache_reset(self, tmp_path: Path) -> None:
+        """A cache reset, as before a weight update (vLLM's
+        ``reset_prefix_cache(reset_connector=True)``). One prompt is served twice (the
+        second time must hit, or there is nothing a reset could drop: skipped), a second
+        prompt once with its stores left in flight (the engine stops stepping once the
+        request ended), then ``reset_cache`` is called. A connector may refuse (False: the
+        test checks it keeps serving byte-exact KV, then skips). If it accepts, the harness
+        changes the model's weights, so KV from before the reset is wrong bytes under the
+        right block hashes, and serves both prompts again: any token matched is KV from
+        before the reset (SCH-032), and any loaded byte is checked. A last round may load
+        what the one before stored after the reset."""
+        cfg = config_for(self.capabilities, prefix_caching=False)
+        prompts = (tuple(range(60, 77)), tuple(range(120, 137)))  # 4 full blocks + 1 token
+
+        def round_(name: str) -> Workload:
+            return Workload([RequestSpec(f"{name}-{i}", p, max_new_tokens=2)
+                             for i, p in enumerate(prompts)], name=f"both prompts, {name}")
+
+        with Engine(self.factory, cfg, tmpdir=str(tmp_path)) as e:
+            e.run(Workload([RequestSpec("stored", prompts[0], max_new_tokens=2)],
+                           name="a prompt stored before the reset"))
+            control = e.run(Workload([RequestSpec("control", prompts[0], max_new_tokens=2)],
+                                     name="the same prompt, before the reset"))
+            if not control.matched_tokens.get("control"):
+                pytest.skip("the connector matched nothing of a prompt it had served: "
+                            "nothing a cache reset could drop")
+            e.run(Workload([RequestSpec("in-flight", prompts[1], max_new_tokens=2)],
+                           name="a prompt whose stores are in flight at the reset"),
+                  leave_pending=True)
+            if not e.reset_cache():
+                e.run(round_("after-a-refused-reset"))
+                pytest.skip("the connector refused the cache reset (reset_cache answered "
+                            "False, which SCH-032 allows; the engine then reports the reset "
+                            "failed, SCH-033): nothing to check after a reset")
+            after = e.run(round_("after-the-reset"))
+            e.run(round_("again"))
+        hits = {rid: n for rid, n in after.matched_tokens.items()
+                if n and rid.startswith("after-the-reset")}
+        self.check(not hits, "SCH-032",
+                   observed=f"after reset_cache answered True, the connector matched {hits} "
+                   "tokens of prompts it had stored (or was storing) only before the reset",
+                   expected="no match of anything stored or being stored before an accepted "
+                   "reset")
+
     @pytest.mark.kvspec_clause("SCH-009")
     @pytest.mark.kvspec_requires("async_loads")
     def test_second_allocation_starts_no_load(self, tmp_path: Path) -> None:

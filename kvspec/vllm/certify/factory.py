@@ -506,6 +506,16 @@ class _VllmScheduler(SchedulerConnector):
         ask = getattr(self._conn, "has_pending_push_work", None)  # vLLM >= 0.32
         return False if ask is None else bool(ask())
 
+    def reset_cache(self) -> bool:
+        """vLLM's scheduler calls the connector's ``reset_cache()`` from
+        ``reset_prefix_cache(reset_connector=True)`` and takes any answer but False as a
+        reset done, None (the base class's "not implemented") included: so does this
+        wrapper, and the harness then checks that nothing from before the reset is served
+        (SCH-032), which is what vLLM's user relies on after a weight update. A release
+        without the hook never resets the connector: refused."""
+        reset = getattr(self._conn, "reset_cache", None)
+        return False if reset is None else reset() is not False
+
     def get_finished_count(self) -> int | None:
         count = self._conn.get_finished_count()
         return None if count is None else int(count)
