@@ -16,15 +16,17 @@ Clauses enforced here:
 * EXE-004 -- a receive that failed on any rank is reported failed when it completes.
 * EXE-005 -- invalid block ids of all ranks are forwarded, unioned, in the same step.
 * EXE-006 -- stats are reduced with ``aggregate`` in rank order; events concatenated in
-  rank order.
+  rank order (the salvaged outputs of a failed step first, their events dropped).
 * EXE-007 -- worker metadata is reduced with ``aggregate`` in rank order.
 * EXE-008 -- the number of reports that completes a request defaults to the world
   size, is overridable per aggregator (the connector's finished count), per awaited
   request, and per output for requests that have not started counting.
 * EXE-009 -- a rejected step leaves the aggregator unchanged.
-* EXE-010 -- each step passes exactly one output per rank.
+* EXE-010 -- each step that did not fail passes exactly one output per rank.
 * EXE-011 -- the engine registers each awaited request/direction before any rank can
   report it.
+* EXE-013 -- the outputs a failed step salvaged (``defer``) count once, as their ranks'
+  reports, and are delivered with the next aggregate.
 
 This module imports nothing of kvspec but its sibling protocol modules.
 """
@@ -37,6 +39,8 @@ from itertools import repeat
 from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, NoReturn, cast
+
+import attrs
 
 from kvspec.protocols.errors import (
     DoubleReportError,
@@ -104,7 +108,7 @@ class StandardAggregator:
     """
 
     __slots__ = ("_world_size", "_default_count", "_full", "_bits", "_left", "_counts",
-                 "_failed")
+                 "_failed", "_held")
 
     def __init__(self, world_size: int, *, expected_count: int | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -127,6 +131,9 @@ class StandardAggregator:
         self._left: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self._counts: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self._failed: set[str] = set()
+        # What salvaged outputs of failed steps completed or carried (``defer``), to be
+        # delivered with the next aggregate (EXE-013); None when nothing is held.
+        self._held: KVConnectorOutput | None = None
 
     @property
     def world_size(self) -> int:
@@ -246,8 +253,13 @@ class StandardAggregator:
             ReportError: Outputs disagree on ``expected_finished_count`` for a request,
                 or a stats / metadata reduction failed (EXE-008, EXE-006, EXE-007).
 
+        After ``defer``, the salvaged outputs' completions, failed receives, invalid block
+        ids, stats and worker metadata come first in the result (EXE-013, EXE-006).
+
         On any error nothing changed (EXE-009).
         """
+        if self._held is not None:
+            return self._with_held(outputs)
         if type(outputs) is not list and type(outputs) is not tuple:
             given: object = outputs
             if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
@@ -337,6 +349,68 @@ class StandardAggregator:
             sending, recving, failed,
             frozenset().union(*(o.invalid_block_ids for o in outputs)),
             stats_sum, tuple(e for o in outputs for e in o.events), metadata_sum)
+
+    def defer(self, outputs: Mapping[int, KVConnectorOutput]) -> None:
+        """Salvage the outputs of a step that failed, for the next ``aggregate`` (EXE-013).
+
+        Called by the executor instead of ``aggregate`` when a step failed on some rank
+        after its connector outputs were collected (vLLM 0.33's fault-tolerant executor,
+        ``KVOutputAggregator.ft_defer_kv_connector_outputs``). ``outputs`` maps each rank
+        that produced an output in that step (index = rank) to it; a rank that produced
+        none is left out. Each report counts now, once, as its rank's report: a rank that
+        reports the same request/direction again later is a double report (EXE-002). What
+        the salvaged outputs complete, fail and invalidate, and their stats and worker
+        metadata, are delivered with the next ``aggregate``'s result, before that step's
+        own; their KV-cache events are dropped, as vLLM drops them (EXE-006). Several
+        failed steps in a row accumulate, in order.
+
+        Raises:
+            InvalidArgumentError: ``outputs`` is not a mapping of ranks in
+                ``[0, world_size)`` to ``KVConnectorOutput`` (EXE-013).
+            DoubleReportError, UnknownRequestError, ReportError: as ``aggregate``, for the
+                salvaged reports (EXE-002, EXE-003, EXE-008, EXE-006, EXE-007).
+
+        On any error nothing changed (EXE-009).
+        """
+        if not isinstance(outputs, Mapping):
+            raise InvalidArgumentError(
+                f"outputs is {type(outputs).__name__}; expected a mapping of rank to the "
+                "KVConnectorOutput that rank produced in the failed step", clause="EXE-013")
+        full: list[KVConnectorOutput] = [EMPTY_OUTPUT] * self._world_size
+        for rank, out in outputs.items():
+            if isinstance(rank, bool) or not isinstance(rank, int) \
+                    or not 0 <= rank < self._world_size:
+                raise InvalidArgumentError(
+                    f"rank {rank!r} in the salvaged outputs; expected ranks in "
+                    f"[0, {self._world_size})", clause="EXE-013")
+            if not isinstance(out, KVConnectorOutput):
+                raise InvalidArgumentError(
+                    f"salvaged output of rank {rank} is {type(out).__name__}; expected a "
+                    "KVConnectorOutput", clause="EXE-013")
+            full[rank] = attrs.evolve(out, events=()) if out.events else out
+        held = self._held
+        self._held = None  # counted as a step of its own, then held again
+        try:
+            got = self.aggregate(full)
+            merged = got if held is None else _merge(held, got)
+        except BaseException:
+            self._held = held
+            raise
+        self._held = merged
+
+    def _with_held(self, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
+        """``aggregate`` after ``defer``: this step's result merged after what is held,
+        the held part cleared only once the step succeeded (EXE-009, EXE-013)."""
+        held = self._held
+        assert held is not None
+        self._held = None
+        try:
+            got = self.aggregate(outputs)
+            merged = _merge(held, got)
+        except BaseException:
+            self._held = held
+            raise
+        return merged
 
     @staticmethod
     def _check_types(outputs: Sequence[object]) -> None:
@@ -522,6 +596,26 @@ _NONE: frozenset[Any] = frozenset()
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _SENDING = attrgetter("finished_sending")
 _RECVING = attrgetter("finished_recving")
+
+
+def _merge(first: KVConnectorOutput, then: KVConnectorOutput) -> KVConnectorOutput:
+    """Two aggregated outputs as one, ``first``'s before ``then``'s: what salvaged
+    outputs held merged into the next step's aggregate (EXE-013). Stats and worker
+    metadata are reduced ``first`` then ``then`` (EXE-006, EXE-007).
+
+    Raises:
+        ReportError: a stats or metadata reduction failed (nothing is changed then).
+    """
+    if first.is_empty() and first.stats is None:
+        return then
+    pair = (first, then)
+    return KVConnectorOutput._trusted(
+        first.finished_sending | then.finished_sending,
+        first.finished_recving | then.finished_recving,
+        first.failed_recving | then.failed_recving,
+        first.invalid_block_ids | then.invalid_block_ids,
+        _reduce(pair, "stats", "EXE-006"), first.events + then.events,
+        _reduce(pair, "worker_metadata", "EXE-007"))
 
 
 def _raise_again(request_id: str, direction: Direction) -> NoReturn:

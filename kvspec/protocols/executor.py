@@ -17,7 +17,14 @@ __all__ = ["ExecutorConnector"]
 
 @runtime_checkable
 class ExecutorConnector(Protocol):
-    """The connector's executor role: one per engine, next to the scheduler."""
+    """The connector's executor role: one per engine, next to the scheduler.
+
+    Optional: ``defer(outputs: Mapping[int, KVConnectorOutput]) -> None``, which salvages
+    the outputs of a step that failed on some rank, for the next ``aggregate`` (EXE-013;
+    ``StandardAggregator.defer`` states what it must do). An executor without it still
+    conforms: kvspec's engine then merges each rank's salvaged output into that rank's
+    next output itself, the salvaged events dropped.
+    """
 
     @abstractmethod
     def expect(self, request_id: str, direction: Direction, *, count: int | None = None) -> None:

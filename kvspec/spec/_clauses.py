@@ -25,6 +25,10 @@ V032_KEEP = "vLLM 0.32 has_pending_push_work / bind_gpu_block_pool"
 V032_HMA = "vLLM 0.32 hybrid KV-cache allocator (SupportsHMA, kv_cache_groups)"
 V032_RESET = "vLLM 0.32-0.33 reset_prefix_cache(reset_connector) / reset_cache"
 V032_LOADED = "vLLM 0.32-0.33 get_loaded_kv_cache_group_ids"
+V033_FT = "vLLM 0.33 fault-tolerant executor (KVOutputAggregator.ft_defer_kv_connector_outputs)"
+V033_SCHED = "vLLM 0.33 Scheduler (an asynchronous match cut to 0 before allocation)"
+I57159 = "vLLM issue 57159"
+PR57775 = "vLLM PR 57775"
 SGL_STORE = "SGLang 0.5.23 HiCacheStorage (mem_cache/hicache_storage.py)"
 SGL_CTRL = "SGLang 0.5.23 HiCacheController (managers/cache_controller.py)"
 SGL_RUN = "SGLang 0.5.23 file backend, observed running (kvspec.sglang)"
@@ -163,6 +167,10 @@ CLAUSES: tuple[Clause, ...] = (
            "The engine MUST call reset_cache only between steps, never inside another hook; it MAY call it while requests run, wait for a load or have stores in flight. It MUST treat any answer other than True as a refused reset and report the reset as failed to its caller, and MUST stop serving its own prefix cache's pre-reset blocks when it reports success.",
            "vLLM 0.32 and 0.33 call the connector's reset_cache from reset_prefix_cache between steps, whether or not requests are running (the connector is reset even when the local reset fails), and return False when the connector answers False; pause and sleep then raise. A caller told the reset succeeded updates the weights and trusts every later hit.",
            (V032_RESET,)),
+    Clause("SCH-034", MUST, "A match cut to zero loads nothing",
+           "When the engine answers an asynchronous match by calling update_state_after_alloc with num_external_tokens equal to 0 and computes the request itself, the connector MUST start no load for that match, MUST NOT report the request in finished_recving for it, and MUST hold nothing for it.",
+           "vLLM's scheduler cuts a hit after the connector answered (n, True): to 0 when its auxiliary-output cap (0.33) refuses the hit, when a local hit ends in a partial block the remote hit does not exceed, or when a replayed sliding window covers it (0.32). The request is then scheduled to compute normally; a connector that loads anyway writes into blocks the engine computes, and its finished_recving reports a receive nobody awaits.",
+           (V028_033, V033_SCHED)),
     # ------------------------------------------------------------------ WRK
     Clause("WRK-001", MUST, "KV caches are registered once",
            "The engine MUST call register_kv_caches exactly once per worker, after the KV caches are allocated and before the first forward that can move KV, passing every layer's tensor and the layout descriptor.",
@@ -232,6 +240,10 @@ CLAUSES: tuple[Clause, ...] = (
            "A worker MUST NOT write into a block after the engine freed it. A copy that may still write after its load was reported failed (WRK-014), because it hangs where the connector cannot stop it, MUST keep its request's blocks held, through a delayed free (SCH-016) reported in finished_sending only once the copy has ended, or copy through memory the connector owns and discard the late result.",
            "A load reported failed at its deadline is recomputed and its request may finish; a copy that ends later writes another request's KV into blocks the engine handed out again, which silently corrupts that request. vLLM frees a finished request's blocks at once unless request_finished delays it, and frees a receiving request's blocks once finished_recving is reported.",
            (V028_033, V032_RUN)),
+    Clause("WRK-021", MUST, "Saves finish in steps without a forward",
+           "Saves a connector started in an earlier step MUST complete and be reported when the engine then runs only steps that bind metadata and call wait_for_save without running a forward; a connector MUST NOT finalize its saves only in per-layer hooks or in steps with a forward.",
+           "An engine steps without a forward while only transfers are pending, and vLLM calls wait_for_save there since 0.31; a connector that advances its saves only inside a forward leaves the last requests' blocks held until another request arrives, or forever (vLLM PR 57775 made every connector's save hook run on empty steps).",
+           (V028_033, PR57775)),
     # ------------------------------------------------------------------ EXE
     Clause("EXE-001", MUST, "Exactly-once completion",
            "The executor MUST report a request in the aggregated finished_sending or finished_recving exactly once per direction, in the step in which the last expected rank reported it.",
@@ -254,9 +266,9 @@ CLAUSES: tuple[Clause, ...] = (
            "A block that failed on any rank is invalid for the whole engine.",
            (V028_033,)),
     Clause("EXE-006", MUST, "Stats and events are reduced in rank order",
-           "The aggregated stats MUST be the ranks' stats combined with their aggregate method in rank order, and the aggregated KV-cache events MUST be the ranks' events concatenated in rank order.",
-           "Deterministic reduction keeps metrics and event streams reproducible.",
-           (V028_033,)),
+           "The aggregated stats MUST be the ranks' stats combined with their aggregate method in rank order, and the aggregated KV-cache events MUST be the ranks' events concatenated in rank order. When the aggregate also delivers the salvaged outputs of failed steps (EXE-013), their stats MUST come first, in the order they were salvaged, and their events MUST be dropped; a connector MUST NOT rely on a worker event of a failed step reaching the scheduler.",
+           "Deterministic reduction keeps metrics and event streams reproducible. vLLM 0.33 drops a salvaged output's events, because replaying them could break the live workers' event quorum and a missed event only costs a cache miss.",
+           (V028_033, V033_FT)),
     Clause("EXE-007", MUST, "Worker metadata is reduced",
            "The aggregated worker metadata MUST be the non-None worker metadata of all ranks combined with their aggregate method in rank order.",
            "The scheduler role sees one metadata object per step whatever the number of ranks.",
@@ -270,9 +282,9 @@ CLAUSES: tuple[Clause, ...] = (
            "A half-applied step turns one reported error into several wrong completions later.",
            ()),
     Clause("EXE-010", MUST, "One output per rank per step",
-           "The executor MUST aggregate exactly one output from every rank for every executed step, and MUST raise InvalidArgumentError when given another number of outputs.",
-           "A missing rank output silently delays or loses its reports.",
-           (SEED001,)),
+           "The executor MUST aggregate exactly one output from every rank for every executed step that did not fail, and MUST raise InvalidArgumentError when given another number of outputs; the outputs of a step that failed are salvaged instead (EXE-013).",
+           "A missing rank output silently delays or loses its reports. A step that fails on one rank has no aggregate of its own in vLLM 0.33's fault-tolerant executor: its ranks' outputs join the next step's.",
+           (SEED001, V033_FT)),
     Clause("EXE-011", MUST, "Awaited transfers are registered first",
            "The engine MUST register every request and direction it awaits with the executor, a delayed free as SEND and an async load as RECV, before any rank can report it.",
            "Without registration the executor cannot tell a report for an awaited request from a bogus one.",
@@ -281,6 +293,10 @@ CLAUSES: tuple[Clause, ...] = (
            "A connector MAY supply its own executor aggregator, which MUST then satisfy every other EXE clause.",
            "Some connectors aggregate connector-specific metadata that only they understand.",
            (SEED001,)),
+    Clause("EXE-013", MUST, "A failed step's outputs are salvaged",
+           "When a step fails on a rank after its connector outputs were collected, the engine MUST NOT aggregate that step and MUST pass every output collected in it, from each rank that produced one, to the executor's defer; the executor MUST count each salvaged report once, as its rank's report, and deliver what the salvaged outputs complete, fail and invalidate with the next aggregated output, so that a rank that reports the same request and direction again is a double report (EXE-002).",
+           "vLLM 0.33 with enable_fault_tolerance stashes a failed step's per-rank KVConnectorOutputs and merges them into the next step's aggregation: a report that reached the executor in a failed step is neither lost (its request would wait forever, its blocks leak) nor counted twice (blocks freed while a rank still reads them). vLLM then aborts every request. A rank that fails before its connector output is collected loses that step's reports; kvspec's harness salvages every rank's output.",
+           (V033_FT, SEED001)),
     # ------------------------------------------------------------------ EVT
     Clause("EVT-001", MUST, "Outputs are immutable and validated",
            "A KVConnectorOutput MUST be immutable and MUST reject malformed fields when it is constructed.",
@@ -318,6 +334,10 @@ CLAUSES: tuple[Clause, ...] = (
            "A KVConnectorOutput MUST cross a process boundary only through its plain-data wire form, never by unpickling bytes received from a peer.",
            "Unpickling peer data executes arbitrary code.",
            ()),
+    Clause("EVT-010", MUST, "Advertised blocks load on their own",
+           "Every block hash a connector advertises in a BlockStored event, until it advertises its removal, MUST be loadable on its own: a request whose tokens up to and including that block equal the advertised prefix, under the same cache salt and LoRA identity, MUST get a match that covers that block.",
+           "KV-aware routers send a request to the engine whose events advertise its longest prefix; a hash that only loads as part of a longer chunk (vLLM issue 57159: chunked offloading advertised every constituent block hash, but only a chunk's last one could be looked up) turns every routed hit into a miss.",
+           (V028_033, I57159)),
     # ------------------------------------------------------------------ LAY
     Clause("LAY-001", MUST, "Six stride orders",
            "A layout descriptor MUST state its stride order as one of LBHNC, LBNHC, LHBNC, BLHNC, BLNHC and BHLNC over the logical dims layers, blocks, heads, tokens and channels, with NHD meaning LBNHC and HND meaning LBHNC.",

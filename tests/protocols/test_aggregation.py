@@ -752,3 +752,145 @@ def test_a_rank_reporting_again_after_its_request_completed_in_the_same_step() -
     assert (info.value.rank, info.value.request_id) == (1, "a")
     assert dict(agg.pending()) == {("a", SEND): 1, ("b", SEND): 2}
     assert agg.reported_by("a", SEND) == {1}
+
+
+# ------------------------------------------- salvaged outputs of failed steps (EXE-013)
+
+
+def drive_with_failures(plan: Plan, failed_steps: frozenset[int], rereport: bool) -> None:
+    """``drive`` where the steps in ``failed_steps`` fail after their outputs were collected:
+    the executor defers them (vLLM 0.33's ``ft_defer_kv_connector_outputs``) and their
+    reports are delivered with the next step that succeeds. With ``rereport``, the engine
+    first hands the failed step's outputs again to the next ``aggregate`` (a failed step
+    re-reported): refused, nothing changed."""
+    agg = StandardAggregator(plan.world, expected_count=plan.default)
+    seen: dict[Key, int] = {}
+    held_steps: list[int] = []
+    for step in range(plan.steps):
+        for key, (expect_step, count) in plan.expects.items():
+            if expect_step == step:
+                agg.expect(*key, count=count)
+        outputs = step_outputs(plan, step)
+        if step in failed_steps:
+            agg.defer(dict(enumerate(outputs)))
+            held_steps.append(step)
+            continue
+        if rereport and held_steps:
+            before = snapshot(agg)
+            again = step_outputs(plan, held_steps[-1])
+            if any(o.finished_sending or o.finished_recving for o in again):
+                with pytest.raises((DoubleReportError, UnknownRequestError)):
+                    agg.aggregate(again)
+                assert snapshot(agg) == before
+        res = agg.aggregate(outputs)
+        steps = [*held_steps, step]
+        done = {key for key in plan.reports if plan.completion(key) in steps}
+        assert res.finished_sending == {rid for rid, d in done if d is SEND}
+        assert res.finished_recving == {rid for rid, d in done if d is RECV}
+        assert res.failed_recving == {
+            rid for rid, d in done
+            if d is RECV and any((rid, r) in plan.failed for r in plan.reports[(rid, d)])}
+        assert res.invalid_block_ids == frozenset().union(
+            *(plan.invalid[(s, r)] for s in steps for r in range(plan.world)))
+        assert res.stats is not None
+        assert res.stats.counters["n"] == plan.world * len(steps)  # type: ignore[attr-defined]
+        # the failed steps' events are dropped, as vLLM drops them (EXE-006)
+        assert res.events == tuple(BlockRemoved([step * 10 + r]) for r in range(plan.world))
+        # the salvaged outputs' metadata first, in step and rank order (EXE-006, EXE-007)
+        assert res.worker_metadata == Trail(tuple(range(plan.world)) * len(steps))
+        for rid in res.finished_sending:
+            seen[(rid, SEND)] = seen.get((rid, SEND), 0) + 1
+        for rid in res.finished_recving:
+            seen[(rid, RECV)] = seen.get((rid, RECV), 0) + 1
+        held_steps = []
+        assert dict(agg.pending()) == model_pending(plan, step, after=True)
+    assert seen == {key: 1 for key in plan.reports}
+    assert agg.pending() == {}
+
+
+@st.composite
+def plans_with_failures(draw: st.DrawFn) -> tuple[Plan, frozenset[int]]:
+    plan = draw(plans())
+    failed = draw(st.frozensets(st.integers(0, plan.steps - 2), max_size=plan.steps - 1)
+                  if plan.steps > 1 else st.just(frozenset[int]()))
+    return plan, failed
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans_with_failures(), st.booleans())
+def test_salvaged_reports_complete_once_in_the_next_step(
+        case: tuple[Plan, frozenset[int]], rereport: bool) -> None:
+    """EXE-013: whether a rank's report arrives in its own step or salvaged from a failed
+    step into the next, each request completes exactly once, in the first step that
+    succeeds after its last report; a failed step handed again is refused (EXE-002,
+    EXE-003) and changes nothing (EXE-009)."""
+    plan, failed = case
+    drive_with_failures(plan, failed, rereport)
+
+
+def test_defer_counts_a_rank_once_across_the_failed_and_the_next_step() -> None:
+    agg = StandardAggregator(2)
+    agg.expect("a", SEND)
+    agg.defer({0: out(send=("a",)), 1: EMPTY_OUTPUT})
+    assert agg.reported_by("a", SEND) == {0}
+    with pytest.raises(DoubleReportError, match="rank 0") as info:
+        agg.aggregate([out(send=("a",)), EMPTY_OUTPUT])
+    assert info.value.clause == "EXE-002"
+    assert agg.reported_by("a", SEND) == {0}
+    res = agg.aggregate([EMPTY_OUTPUT, out(send=("a",))])
+    assert res.finished_sending == {"a"}
+    assert agg.aggregate([EMPTY_OUTPUT, EMPTY_OUTPUT]).is_empty()
+
+
+def test_defer_completes_with_the_next_aggregate_and_drops_events() -> None:
+    agg = StandardAggregator(2)
+    agg.expect("r", RECV)
+    salvaged = KVConnectorOutput(finished_recving={"r"}, failed_recving={"r"},
+                                 invalid_block_ids={3}, events=[BlockRemoved([1])],
+                                 stats=ConnectorStats({"n": 1}))
+    agg.defer({0: salvaged, 1: out(recv=("r",))})  # rank 1 succeeded, rank 0 failed
+    assert agg.pending() == {}
+    res = agg.aggregate([KVConnectorOutput(events=[BlockRemoved([2])]), EMPTY_OUTPUT])
+    assert res.finished_recving == res.failed_recving == {"r"}
+    assert res.invalid_block_ids == {3}
+    assert res.events == (BlockRemoved([2]),)
+    assert res.stats == ConnectorStats({"n": 1})
+    assert agg.aggregate([EMPTY_OUTPUT, EMPTY_OUTPUT]).is_empty()
+
+
+def test_defer_of_a_rank_that_produced_no_output() -> None:
+    """A rank left out of the salvaged outputs reported nothing: its report still counts
+    when it comes."""
+    agg = StandardAggregator(3)
+    agg.expect("a", SEND)
+    agg.defer({1: out(send=("a",))})
+    agg.defer({2: out(send=("a",))})  # two failed steps in a row accumulate
+    assert agg.reported_by("a", SEND) == {1, 2}
+    assert agg.aggregate([out(send=("a",)), EMPTY_OUTPUT, EMPTY_OUTPUT]
+                         ).finished_sending == {"a"}
+
+
+@pytest.mark.parametrize(("outputs", "fragment"), [
+    ([EMPTY_OUTPUT, EMPTY_OUTPUT], "expected a mapping of rank"),
+    ({2: EMPTY_OUTPUT}, "rank 2 in the salvaged outputs"),
+    ({True: EMPTY_OUTPUT}, "rank True in the salvaged outputs"),
+    ({0: object()}, "salvaged output of rank 0 is object"),
+])
+def test_defer_rejects(outputs: Any, fragment: str) -> None:
+    agg = StandardAggregator(2)
+    with pytest.raises(InvalidArgumentError, match=fragment) as info:
+        agg.defer(outputs)
+    assert info.value.clause == "EXE-013"
+
+
+def test_defer_of_an_unknown_report_changes_nothing() -> None:
+    agg = StandardAggregator(2)
+    agg.expect("a", SEND)
+    agg.defer({0: out(send=("a",))})
+    before = snapshot(agg)
+    with pytest.raises(UnknownRequestError) as info:
+        agg.defer({1: out(send=("a", "ghost"))})
+    assert info.value.clause == "EXE-003" and info.value.request_id == "ghost"
+    assert snapshot(agg) == before
+    # what was held is still delivered
+    assert agg.aggregate([EMPTY_OUTPUT, out(send=("a",))]).finished_sending == {"a"}

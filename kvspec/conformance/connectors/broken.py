@@ -34,6 +34,7 @@ from kvspec.protocols import (
     ConnectorMetadata,
     ConnectorStats,
     EngineConfigView,
+    ForwardContextView,
     KVCacheLayout,
     KVConnectorOutput,
     MalformedMetadataError,
@@ -64,17 +65,20 @@ __all__ = [
     "AveragingStatsConnector",
     "BROKEN_CONNECTORS",
     "BrokenConnector",
+    "ChunkedAdvertConnector",
     "CorruptLoadConnector",
     "CrashingConnector",
     "DoubleReportConnector",
     "DropsAbortedRecvConnector",
     "EagerSavesConnector",
+    "ForwardOnlySavesConnector",
     "FullPromptHitConnector",
     "HidesFailedLoadsConnector",
     "ImpureMatchConnector",
     "LeakyDecoderConnector",
     "LateWriterConnector",
     "LeakyJournalConnector",
+    "LoadsCutMatchConnector",
     "LoadsOverLocalHitConnector",
     "MutatesParamsConnector",
     "NoSaltConnector",
@@ -1070,6 +1074,105 @@ class IgnoresResetConnector(OffloadConnector):
         return "broken-ignores-reset"
 
 
+class _LoadsCutMatchScheduler(SharedStorageScheduler):
+    """Plans the load of its last asynchronous answer even when the allocation carries
+    0 external tokens (SCH-034)."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._answered: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if count and is_async:
+            self._answered[request.request_id] = count
+        return count, is_async
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
+    ) -> None:
+        answered = self._answered.pop(request.request_id, 0)
+        if num_external_tokens == 0 and answered:  # the slip: "the match said so"
+            start = self._asked.get(request.request_id, request.num_computed_tokens)
+            room = len(blocks.block_ids(0)) * self._block_size - start
+            num_external_tokens = max(0, min(answered, room - room % self._block_size))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, object] | None]:
+        self._answered.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+
+class LoadsCutMatchConnector(BrokenConnector):
+    """Breaks SCH-034: when the engine cuts its asynchronous match to 0 tokens (vLLM's
+    auxiliary-output cap) and calls ``update_state_after_alloc`` with 0, it loads the
+    tokens it had matched anyway, and reports a receive nobody awaits."""
+
+    violates = "SCH-034"
+    selection = "test_an_async_match_cut_to_zero_loads_nothing"
+    scheduler_class = _LoadsCutMatchScheduler
+
+
+class _ChunkedMatchScheduler(SharedStorageScheduler):
+    """Matches whole chunks of two blocks only, but advertises every stored block
+    (EVT-010)."""
+
+    def _match(self, request: RequestView, num_computed_tokens: int) -> int:
+        count = super()._match(request, num_computed_tokens)
+        return count - count % (2 * self._block_size)
+
+
+class ChunkedAdvertConnector(BrokenConnector):
+    """Breaks EVT-010, as vLLM issue 57159 reports of chunked offloading: its KV events
+    advertise every block's hash, but it finds blocks only in whole chunks of two, so a
+    prefix that ends with an odd block is not loadable on its own."""
+
+    violates = "EVT-010"
+    selection = "test_every_advertised_block_loads_on_its_own"
+    scheduler_class = _ChunkedMatchScheduler
+
+
+class _ForwardOnlySavesWorker(SharedStorageWorker):
+    """Reports the saves that completed only in steps that run a forward (WRK-021)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._forward = False
+        self._done_saves: frozenset[str] = frozenset()
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._forward = False
+        super().bind_connector_metadata(metadata)
+
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        self._forward = forward_context.num_tokens > 0
+        super().start_load_kv(forward_context)
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        sending, recving = super().get_finished(finished_req_ids)
+        self._done_saves |= sending
+        if not self._forward:  # the slip: saves are finalized with the forward's layers
+            return frozenset(), recving
+        sending, self._done_saves = self._done_saves, frozenset()
+        return sending, recving
+
+
+class ForwardOnlySavesConnector(BrokenConnector):
+    """Breaks WRK-021, as vLLM PR 57775 fixed for vLLM's own connectors: it finalizes its
+    saves only in steps with a forward, so the last requests' stores stay unreported while
+    the engine runs steps without one."""
+
+    violates = "WRK-021"
+    selection = "test_saves_finish_in_steps_without_a_forward"
+    worker_class = _ForwardOnlySavesWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
                                | type[UnsyncedWriterConnector]
                                | type[IgnoresResetConnector], str], ...] = tuple(
@@ -1103,6 +1206,9 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         WaitingOutputConnector,
         LateWriterConnector,
         IgnoresResetConnector,
+        LoadsCutMatchConnector,
+        ChunkedAdvertConnector,
+        ForwardOnlySavesConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

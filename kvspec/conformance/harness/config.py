@@ -43,6 +43,17 @@ def _sizes(value: Any) -> tuple[int, ...]:
     return out
 
 
+def _fail_steps(value: Any) -> tuple[tuple[int, int], ...]:
+    try:
+        out = tuple((step, rank) for step, rank in value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"fail_steps must be (step, rank) pairs, got {value!r}") from None
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for pair in out for v in pair):
+        raise InvalidArgumentError(f"fail_steps must be pairs of ints >= 0, got {value!r}")
+    return out
+
+
 def _extra(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return freeze_params(value, "extra") or {}
 
@@ -94,6 +105,17 @@ class HarnessConfig:
             null block 0, as vLLM's hybrid allocator does (KVG-003, KVG-004). None (the
             default): one full-attention group. Needs ``num_layers >= 2`` and no local
             prefix cache (``prefix_caching=False``: the hybrid prefix cache is not modelled).
+        fail_steps: ``(step, rank)`` pairs: the engine step ``step`` fails on rank ``rank``
+            after every rank's connector output was collected, as a step whose output
+            fetch fails in vLLM 0.33 with ``enable_fault_tolerance`` (EXE-013). The engine
+            then aggregates nothing for that step: it salvages every rank's output into the
+            executor (``StandardAggregator.defer``), delivered with the next step's
+            aggregate, and aborts every unfinished request, as vLLM's fault handler does.
+        cut_async_matches: Cut every asynchronous match to 0 tokens before allocating:
+            the engine calls ``update_state_after_alloc`` with ``num_external_tokens=0``
+            and computes the request itself from its local hit, as vLLM's scheduler does
+            when its auxiliary-output cap (0.33), a local hit with a partial last block or
+            a replayed sliding window cuts the hit (SCH-034). False, the default.
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process (ERR-007).
@@ -136,6 +158,8 @@ class HarnessConfig:
     preempted_hold_s: float = 0.0
     hold_threads: bool = False
     sliding_window: int | None = None
+    fail_steps: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=_fail_steps)
+    cut_async_matches: bool = False
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
     hook_budget_s: float = 2.0
@@ -186,6 +210,14 @@ class HarnessConfig:
                 f"HarnessConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.num_blocks < 2:
             raise InvalidArgumentError("num_blocks must be >= 2: the last block pads dummy runs")
+        for step, rank in self.fail_steps:
+            if rank >= self.tp_size:
+                raise InvalidArgumentError(
+                    f"fail_steps names rank {rank} of step {step}; expected ranks below "
+                    f"tp_size {self.tp_size}")
+        if not isinstance(self.cut_async_matches, bool):
+            raise InvalidArgumentError(f"HarnessConfig.cut_async_matches must be a bool, got "
+                                       f"{self.cut_async_matches!r}")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1
                               or self.num_layers < 2 or self.prefix_caching):
@@ -261,6 +293,8 @@ class HarnessConfig:
                 v = v.value
             elif f.name == "capture_sizes":
                 v = list(v)
+            elif f.name == "fail_steps":
+                v = [list(pair) for pair in v]
             elif f.name == "extra":
                 v = _plain(v)
             out[f.name] = v

@@ -264,6 +264,9 @@ class Engine:
         self._matched: dict[str, int] = {}
         self._preemptions = 0
         self._completed: set[tuple[str, Direction]] = set()
+        self._fail_at = dict(self.config.fail_steps)  # step -> the rank it fails on
+        self._salvaged: list[KVConnectorOutput] | None = None  # for an executor without defer
+        self._cut: set[str] = set()  # requests whose asynchronous match the engine cut to 0
         bind = getattr(self.scheduler, "bind_block_references", None)
         if bind is not None:  # SCH-030: once, after the pool exists, before the first step
             bind(self.references)
@@ -348,6 +351,18 @@ class Engine:
         self._stale_seeds |= self._seeds
         self._generation += 1
         return True
+
+    def block_hashes(self, request_id: str) -> tuple[bytes, ...]:
+        """The engine's hashes of a request's full blocks (prompt and output), salted by
+        its cache salt and LoRA identity: what the connector sees in
+        ``RequestView.block_hashes`` and advertises in its KV events (EVT-010)."""
+        return tuple(self.requests[request_id].hashes)
+
+    @property
+    def cut_requests(self) -> frozenset[str]:
+        """The requests whose asynchronous match the engine cut to 0 tokens
+        (``HarnessConfig.cut_async_matches``, SCH-034)."""
+        return frozenset(self._cut)
 
     @property
     def idle(self) -> bool:
@@ -548,6 +563,10 @@ class Engine:
         }
         self._check_freed = False
         outputs, violations = self.workers.step(msg, meta)
+        if self.step_id in self._fail_at:
+            self._fail(outputs, violations)
+            self._check_awaited()
+            return
         busy = plans or self.awaited or self.waiting or self.running or self.remote
         if self.config.async_scheduling and busy:
             # processed after the next step's metadata is built (SCH-014)
@@ -557,6 +576,51 @@ class Engine:
         self._check_awaited()
         if not plans and (self.awaited or self.pool.holding or self._pending_since is not None):
             time.sleep(0.001)  # let the connector's transfers (or held blocks) progress
+
+    def _fail(self, outputs: list[KVConnectorOutput], violations: list[dict[str, str]]) -> None:
+        """The step failed on a rank after every rank's connector output was collected
+        (``HarnessConfig.fail_steps``), as vLLM 0.33's fault-tolerant executor sees a step
+        whose output fetch failed: nothing of the step is aggregated or computed; every
+        rank's output is salvaged into the executor (``defer``) to be delivered with the
+        next step's aggregate (EXE-013); then every unfinished request is aborted, as
+        vLLM's fault handler does before the engine resumes (SCH-015, SCH-021)."""
+        if violations:
+            v = violations[0]
+            self._violate(v["clause"], v["observed"], v["expected"])
+        defer = getattr(self.executor, "defer", None)
+        if defer is None:  # a custom aggregator that cannot salvage: merged per rank below
+            self._salvaged = (outputs if self._salvaged is None else
+                              [self._merge_rank(a, b, rank) for rank, (a, b)
+                               in enumerate(zip(self._salvaged, outputs))])
+        else:
+            self._aggregate_errors(lambda: defer(dict(enumerate(outputs))))
+        for r in list(self.requests.values()):
+            if r.status not in (_S.FINISHED, _S.ABORTED) and not r.finished_called:
+                self.abort(r.rid)
+
+    def _merge_rank(self, first: KVConnectorOutput, then: KVConnectorOutput,
+                    rank: int) -> KVConnectorOutput:
+        """One rank's salvaged output merged into its next one, for an executor without
+        ``defer``: the same reports, each once; the salvaged events dropped (EXE-013)."""
+        for direction, a, b in ((Direction.SEND, first.finished_sending, then.finished_sending),
+                                (Direction.RECV, first.finished_recving, then.finished_recving)):
+            if a & b:
+                self._violate("WRK-009", f"rank {rank} reports {sorted(a & b)} finished "
+                              f"{direction.value}ing in a failed step and again in the next",
+                              "each rank reports a request once per direction")
+        stats = (first.stats if then.stats is None else then.stats if first.stats is None
+                 else first.stats.aggregate(then.stats))
+        meta = (first.worker_metadata if then.worker_metadata is None else then.worker_metadata
+                if first.worker_metadata is None
+                else first.worker_metadata.aggregate(then.worker_metadata))
+        return KVConnectorOutput(
+            finished_sending=first.finished_sending | then.finished_sending,
+            finished_recving=first.finished_recving | then.finished_recving,
+            failed_recving=first.failed_recving | then.failed_recving,
+            invalid_block_ids=first.invalid_block_ids | then.invalid_block_ids,
+            stats=stats, events=then.events, worker_metadata=meta,
+            expected_finished_count=then.expected_finished_count
+            or first.expected_finished_count)
 
     @staticmethod
     def _take(items: list[int]) -> list[int]:
@@ -616,6 +680,11 @@ class Engine:
                 if answer is None:
                     continue  # SCH-003: deferred, asked again next step
                 ext, is_async = answer
+                if is_async and self.config.cut_async_matches:
+                    # cut to 0 before allocating (vLLM's auxiliary-output cap, a partial
+                    # local tail, a replayed window): computed here, alloc told 0 (SCH-034)
+                    self._cut.add(r.rid)
+                    ext, is_async = 0, False
                 if is_async:
                     if not self._admit(r, local, local + ext, local + ext):
                         break
@@ -927,11 +996,31 @@ class Engine:
         if violations:
             v = violations[0]
             self._violate(v["clause"], v["observed"], v["expected"])
+        if self._salvaged is not None:  # what a failed step salvaged (no executor defer)
+            outputs = [self._merge_rank(a, b, rank)
+                       for rank, (a, b) in enumerate(zip(self._salvaged, outputs))]
+            self._salvaged = None
+        agg: KVConnectorOutput = self._aggregate_errors(lambda: self.executor.aggregate(outputs))
+        self._deliver(agg)
+        for r in list(self.running):
+            self._cache_computed(r)
+            if r.executed >= r.target:
+                self._finish(r)
+
+    def _aggregate_errors(self, call: Callable[[], Any]) -> Any:
+        """Run an executor call (``aggregate``, ``defer``), with its errors turned into the
+        clauses the connector broke."""
         try:
-            agg = self.executor.aggregate(outputs)
+            return call()
         except DoubleReportError as e:
             self._violate("WRK-009", e.message, "each rank reports a request once per direction")
         except UnknownRequestError as e:
+            if e.direction is Direction.RECV and e.request_id in self._cut and (
+                    e.request_id, Direction.RECV) not in self.awaited:
+                self._violate("SCH-034", f"{e.message} (the engine had cut its asynchronous "
+                              "match to 0 tokens and called update_state_after_alloc with "
+                              "num_external_tokens=0)", "no load started and nothing reported "
+                              "for a match the engine cut to 0 tokens")
             if (e.request_id, e.direction) in self._completed:
                 req = self.requests.get(e.request_id or "")
                 hint = ("; if the connector started a second load on the update_state_after_"
@@ -943,6 +1032,9 @@ class Engine:
             self._violate("WRK-010", e.message, "reports only for requests the worker was told about")
         except ReportError as e:
             self._violate(e.clause or "EXE-008", e.message, "consistent reports")
+
+    def _deliver(self, agg: KVConnectorOutput) -> None:
+        """Hand one aggregated output to the scheduler role and act on it."""
         if not agg.is_empty():  # SCH-019: engines may skip empty outputs, as vLLM 0.32 does
             self._timed("update_connector_output", self.scheduler.update_connector_output, agg)
         for ev in self.scheduler.take_events():
@@ -960,10 +1052,6 @@ class Engine:
             if blocks is None:
                 raise AssertionError(f"harness bug: finished_sending for {rid} with no held blocks")
             self._poison_freed += self.pool.free(blocks)
-        for r in list(self.running):
-            self._cache_computed(r)
-            if r.executed >= r.target:
-                self._finish(r)
 
     def _recv_done(self, rid: str, *, failed: bool) -> None:
         self.awaited.pop((rid, Direction.RECV), None)
