@@ -28,7 +28,6 @@ import msgspec
 import torch
 from typing_extensions import Self
 
-from kvspec.backends.offload import OffloadConnector, OffloadScheduler
 from kvspec.protocols import (
     AllocatedBlocks,
     ConnectorMetadata,
@@ -1051,27 +1050,21 @@ class UnsyncedWriterConnector(LayerwiseStorageConnector):
         return "broken-unsynced-writer"
 
 
-class _IgnoresResetScheduler(OffloadScheduler):
-    """Answers True to a cache reset and keeps its index (SCH-032)."""
+class _IgnoresResetScheduler(SharedStorageScheduler):
+    """Answers True to a cache reset and keeps every stored file (SCH-032)."""
 
     def reset_cache(self) -> bool:
         return True
 
 
-class IgnoresResetConnector(OffloadConnector):
-    """Breaks SCH-032: the offload backend answering True to ``reset_cache`` while it keeps
-    serving its host tier, as a connector that ignores the reset does (vLLM reads a
-    connector that does not implement the hook as reset): after a weight update it serves
-    KV computed with the old weights."""
+class IgnoresResetConnector(BrokenConnector):
+    """Breaks SCH-032: answers True to ``reset_cache`` but keeps serving its stored files, as
+    a connector that ignores the reset does (vLLM reads a connector that does not implement
+    the hook as reset): after a weight update it serves KV computed with the old weights."""
 
-    violates: ClassVar[str] = "SCH-032"
-    selection: ClassVar[str] = "test_cache_reset"
+    violates = "SCH-032"
+    selection = "test_cache_reset"
     scheduler_class = _IgnoresResetScheduler
-
-    @property
-    def name(self) -> str:
-        """``"broken-ignores-reset"``."""
-        return "broken-ignores-reset"
 
 
 class _LoadsCutMatchScheduler(SharedStorageScheduler):
@@ -1174,8 +1167,7 @@ class ForwardOnlySavesConnector(BrokenConnector):
 
 
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
-                               | type[UnsyncedWriterConnector]
-                               | type[IgnoresResetConnector], str], ...] = tuple(
+                               | type[UnsyncedWriterConnector], str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
         FullPromptHitConnector,
