@@ -62,6 +62,7 @@ __all__ = [
     "AveragingStatsConnector",
     "BROKEN_CONNECTORS",
     "BrokenConnector",
+    "StaleTensorsConnector",
     "CorruptLoadConnector",
     "CrashingConnector",
     "DoubleReportConnector",
@@ -1045,8 +1046,34 @@ class UnsyncedWriterConnector(LayerwiseStorageConnector):
         return "broken-unsynced-writer"
 
 
+# ------------------------------------------------------------------------------ sleep
+
+
+class _StaleTensorsWorker(SharedStorageWorker):
+    """Declares sleep mode but never lets go of the tensors registered first: after the
+    wake it still reads and writes them (WRK-019)."""
+
+    def unregister_kv_caches(self) -> None:
+        return None
+
+    def restore_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                          layout: KVCacheLayout) -> None:
+        return None
+
+
+class StaleTensorsConnector(BrokenConnector):
+    """Breaks WRK-019: restore_kv_caches ignores the tensors it is given, so a hit after
+    the wake is copied into the KV tensors the sleep retired (on a GPU: freed memory) and
+    the model reads never-written blocks."""
+
+    violates: ClassVar[str] = "WRK-019"
+    selection: ClassVar[str] = "TestSleep and mid_serving and 1"
+    worker_class = _StaleTensorsWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
-                               | type[UnsyncedWriterConnector], str], ...] = tuple(
+                               | type[UnsyncedWriterConnector] | type[StaleTensorsConnector],
+                               str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
         FullPromptHitConnector,
@@ -1076,6 +1103,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         UnsyncedWriterConnector,
         WaitingOutputConnector,
         LateWriterConnector,
+        StaleTensorsConnector,
     )
 )
 """Every broken variant with the clause it breaks."""
