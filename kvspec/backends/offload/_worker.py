@@ -268,7 +268,7 @@ class OffloadWorker(WorkerConnector):
             TransferTimeoutError: a copy still runs after ``io_timeout_s`` (WRK-014): the
                 tensors cannot be released safely.
         """
-        if self._closed or self.pool is None or self._asleep_host is not None:
+        if self._closed or self.pool is None:
             return
         jobs = (*self._loads.values(), *self._pipelined, *self._stuck,
                 *(j for js in self._stores.values() for j in js),
@@ -286,6 +286,7 @@ class OffloadWorker(WorkerConnector):
         self._stage = None
         self._layer_of = {}
         self._asleep_host = self.pool.detach_kv()
+        self.pool = None
 
     def restore_kv_caches(
         self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
@@ -1151,6 +1152,7 @@ class OffloadWorker(WorkerConnector):
         if self.pool is not None:
             self.pool.release()
         self.pool = None
+        self._asleep_host = None
         self._slot_tags = []
         self._stream = None
         self._slot.clear()
