@@ -115,6 +115,13 @@ class Capabilities:
             (``FaultPlan``): it can be told to fail its loads or
             stores, or to keep every transfer in flight for a while, so the conformance
             suite checks what it does when transfers fail or are slow.
+        sleep_mode: The connector follows an engine's sleep and wake (WRK-018, WRK-019):
+            ``unregister_kv_caches`` drops every registration of the KV tensors before they
+            are freed, ``restore_kv_caches`` registers the tensors it is given at wake, which
+            may lie at new addresses, and the handshake metadata it publishes after wake is
+            the one peers must use (HSK-006). False by default: an engine refuses to sleep
+            with a connector that does not declare it, naming the connector and this
+            capability (WRK-020, ``check_sleep_mode``).
     """
 
     async_loads: bool = False
@@ -132,11 +139,13 @@ class Capabilities:
     needs_token_rows: bool = False
     fault_injection: bool = False
     block_sizes: tuple[int, ...] = attrs.field(default=(), converter=_block_sizes)
+    sleep_mode: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in (
             "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
             "custom_aggregator", "handles_preemptions", "needs_token_rows", "fault_injection",
+            "sleep_mode",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(
@@ -174,6 +183,23 @@ class Capabilities:
             InvalidArgumentError: ``groups`` malformed (KVG-001).
         """
         check_groups(groups, self.group_kinds, self.kv_cache_groups, connector=connector)
+
+    def check_sleep_mode(self, connector: str = "the connector") -> None:
+        """Refuse to put an engine to sleep with a connector that does not declare
+        ``sleep_mode`` (WRK-020). Engines call it when sleep mode is configured, before the
+        engine serves, and again before each sleep.
+
+        Raises:
+            CapabilityError: ``sleep_mode`` is False; the message names ``connector`` and
+                the capability.
+        """
+        if not self.sleep_mode:
+            raise CapabilityError(
+                f"{connector} does not declare Capabilities.sleep_mode: it cannot follow "
+                "an engine's sleep and wake (its registrations of the KV tensors would "
+                "outlive the memory behind them); the engine refuses to sleep with it",
+                clause="WRK-020",
+            )
 
     @property
     def has_layer_hooks(self) -> bool:

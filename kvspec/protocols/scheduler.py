@@ -166,7 +166,11 @@ class SchedulerConnector(Protocol):
     ) -> None:
         """Receive every worker's handshake metadata, keyed by rank (HSK-002).
 
-        When: once, before the first step is scheduled.
+        When: once before the first step is scheduled, and again after every wake of a
+        sleep-capable connector (HSK-006), before the first step after wake.
+        Must: after a second call, publish only the new metadata (for example in the
+        ``kv_transfer_params`` it hands to consumers), so that peers re-handshake with the
+        restored registrations; the old metadata is invalid.
         Default: does nothing.
         """
         return None

@@ -208,10 +208,58 @@ class WorkerConnector(Protocol):
             clause="DRY-005",
         )
 
+    def unregister_kv_caches(self) -> None:
+        """Drop every registration of the KV tensors before the engine sleeps (WRK-018).
+
+        When: only for connectors that declare ``Capabilities.sleep_mode`` (WRK-020), after
+        ``register_kv_caches``, once the engine has drained: no request is running or
+        waiting for remote KV, every delayed free was reported in ``finished_sending``
+        (SCH-016), no step is in flight and no metadata is bound. The scheduler role keeps
+        its state; the worker is not shut down.
+        May assume: no hook of this rank runs until ``restore_kv_caches`` except
+        ``unregister_kv_caches`` again and ``shutdown``.
+        Must: return only when nothing of this rank (a transfer, a background thread, a
+        registration with a transfer library, a prepared descriptor) can still read or
+        write the tensors registered so far, which the engine frees right after; keep what
+        does not live in them (a host tier, its index, peers' information) if it wants
+        to serve it after wake. Be idempotent.
+        Must never: touch the registered tensors after returning (WRK-018).
+        Default: raises UnsupportedOperationError: only sleep-capable connectors implement it.
+        """
+        raise UnsupportedOperationError(
+            f"{type(self).__name__} does not declare Capabilities.sleep_mode and cannot "
+            "unregister its KV caches", clause="WRK-020",
+        )
+
+    def restore_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        """Register the KV tensors the engine re-allocated at wake (WRK-019).
+
+        When: after ``unregister_kv_caches``, before the first step after wake and before
+        the engine collects ``get_handshake_metadata`` again (HSK-006). ``kv_caches`` has
+        the same layer names and ``layout`` the same geometry as at ``register_kv_caches``
+        (LAY-006); the tensors may lie at new addresses (kvspec's harness re-allocates them)
+        or at the same ones over new memory (vLLM's cumem allocator remaps the same virtual
+        range). Their contents are undefined: the engine recomputes or reloads what it needs.
+        Must: use only these tensors from now on, and register them wherever the old ones
+        were (a transfer library, a pinned region); keep serving what it kept in its own
+        memory (WRK-013 holds for every load after wake). Be idempotent: a second call
+        without an ``unregister_kv_caches`` between does nothing.
+        Must never: read or write a tensor registered before the sleep (WRK-019).
+        Default: raises UnsupportedOperationError.
+        """
+        raise UnsupportedOperationError(
+            f"{type(self).__name__} does not declare Capabilities.sleep_mode and cannot "
+            "restore its KV caches", clause="WRK-020",
+        )
+
     def get_handshake_metadata(self) -> HandshakeMetadata | None:
         """Return what peers need to reach this rank, or None (HSK-001, HSK-002).
 
-        When: once, after ``register_kv_caches``, before the first step.
+        When: once after ``register_kv_caches``, before the first step, and again after
+        every ``restore_kv_caches`` (HSK-006): the metadata then describes the restored
+        tensors and registrations; what was published before the sleep is invalid.
         Default: None.
         """
         return None

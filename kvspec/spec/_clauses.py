@@ -29,6 +29,7 @@ V033_FT = "vLLM 0.33 fault-tolerant executor (KVOutputAggregator.ft_defer_kv_con
 V033_SCHED = "vLLM 0.33 Scheduler (an asynchronous match cut to 0 before allocation)"
 I57159 = "vLLM issue 57159"
 PR57775 = "vLLM PR 57775"
+V033_SLEEP = "vLLM 0.33 sleep mode (unregister_kv_caches / restore_kv_caches)"
 SGL_STORE = "SGLang 0.5.23 HiCacheStorage (mem_cache/hicache_storage.py)"
 SGL_CTRL = "SGLang 0.5.23 HiCacheController (managers/cache_controller.py)"
 SGL_RUN = "SGLang 0.5.23 file backend, observed running (kvspec.sglang)"
@@ -240,6 +241,18 @@ CLAUSES: tuple[Clause, ...] = (
            "A worker MUST NOT write into a block after the engine freed it. A copy that may still write after its load was reported failed (WRK-014), because it hangs where the connector cannot stop it, MUST keep its request's blocks held, through a delayed free (SCH-016) reported in finished_sending only once the copy has ended, or copy through memory the connector owns and discard the late result.",
            "A load reported failed at its deadline is recomputed and its request may finish; a copy that ends later writes another request's KV into blocks the engine handed out again, which silently corrupts that request. vLLM frees a finished request's blocks at once unless request_finished delays it, and frees a receiving request's blocks once finished_recving is reported.",
            (V028_033, V032_RUN)),
+    Clause("WRK-018", MUST, "Unregister before sleep releases the tensors",
+           "Before an engine sleeps, it MUST have drained the connector (no request running or waiting for remote KV, every delayed free reported, no step in flight) and MUST call unregister_kv_caches on every rank; the connector MUST return from it only once nothing it started can read or write the registered KV tensors, MUST NOT touch them afterwards, and MUST tolerate a second call.",
+           "The engine frees the KV memory right after the call (vLLM's cumem allocator unmaps it); a registration, descriptor or copy that outlives it reads or writes memory that is gone or reused.",
+           (V033_SLEEP,)),
+    Clause("WRK-019", MUST, "Restore registers the tensors given at wake",
+           "At wake the engine MUST call restore_kv_caches on every rank with the re-allocated KV tensors and the same layout before the first step; the connector MUST from then on read and write only those tensors, which may lie at new addresses or over new memory at the old ones, and MUST tolerate a second call.",
+           "Tensors re-allocated at wake may have moved, and a transfer registration made before the sleep points at memory that no longer holds the cache: loads land where the model never reads, stores send stale bytes.",
+           (V033_SLEEP,)),
+    Clause("WRK-020", MUST, "Sleep needs the declared capability",
+           "An engine MUST refuse, with a typed error naming the connector and the sleep_mode capability, to sleep with a connector that does not declare sleep_mode, and MUST do so when sleep mode is configured, before any request is served.",
+           "A connector that keeps its registrations across a sleep corrupts KV silently after wake; refusing by name at configuration costs nothing. vLLM 0.33 asks supports_sleep_mode(kv_transfer_config) when sleep mode is enabled and fails the configuration otherwise.",
+           (V033_SLEEP,)),
     Clause("WRK-021", MUST, "Saves finish in steps without a forward",
            "Saves a connector started in an earlier step MUST complete and be reported when the engine then runs only steps that bind metadata and call wait_for_save without running a forward; a connector MUST NOT finalize its saves only in per-layer hooks or in steps with a forward.",
            "An engine steps without a forward while only transfers are pending, and vLLM calls wait_for_save there since 0.31; a connector that advances its saves only inside a forward leaves the last requests' blocks held until another request arrives, or forever (vLLM PR 57775 made every connector's save hook run on empty steps).",
@@ -516,9 +529,9 @@ CLAUSES: tuple[Clause, ...] = (
            "It crosses hosts and engines of different versions.",
            (V028_033,)),
     Clause("HSK-002", MUST, "Handshake metadata reaches the scheduler",
-           "The engine MUST collect get_handshake_metadata from every worker and pass it, keyed by rank, to the scheduler role's set_xfer_handshake_metadata before the first step is scheduled.",
-           "Peers look up the agents of the ranks they talk to before the first transfer.",
-           (V028_033,)),
+           "The engine MUST collect get_handshake_metadata from every worker and pass it, keyed by rank, to the scheduler role's set_xfer_handshake_metadata before the first step is scheduled, and again after every wake from sleep, before the first step after it (HSK-006).",
+           "Peers look up the agents of the ranks they talk to before the first transfer; after a wake the registrations they looked up are gone.",
+           (V028_033, V033_SLEEP)),
     Clause("HSK-003", MUST, "Peers check compatibility",
            "Two peers MUST compare layout, K/V packing, dtype, block size and spec major version at handshake and refuse to transfer with CompatibilityError naming the field that differs.",
            "Moving bytes between incompatible layouts corrupts KV silently.",
@@ -531,6 +544,10 @@ CLAUSES: tuple[Clause, ...] = (
            "A decoder of peer metadata MUST validate every field and raise MalformedMetadataError on anything missing, extra or out of range.",
            "Peers run other versions and may be buggy or hostile.",
            ()),
+    Clause("HSK-006", MUST, "Peers re-handshake after a wake",
+           "After restore_kv_caches, a worker's get_handshake_metadata MUST describe the restored registrations, the scheduler role MUST publish only that metadata once set_xfer_handshake_metadata is called again, and a peer MUST handshake again before its next transfer with that engine: metadata published before the sleep MUST NOT be used for a transfer after it.",
+           "The agent metadata and registered regions of a sleeping engine are released at unregister; a peer that keeps its old handshake reads freed memory or fails every transfer. vLLM 0.33 re-collects handshake metadata after wake_up and its NixlConnector counts registration generations (wire version 15) so that decoders re-handshake.",
+           (V033_SLEEP,)),
     # ------------------------------------------------------------------ STO
     Clause("STO-001", MUST, "Exists answers the longest stored prefix",
            "batch_exists MUST return an int n in [0, len(keys)] such that the objects of keys[0] to keys[n-1] are all stored and keys[n], if any, is not.",

@@ -249,28 +249,37 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
-        """vLLM 0.33: False. kvspec's contract registers the caches once (WRK-001) and has
-        no hook to drop and restore them, so vLLM must not free them under a connector."""
-        return False
+        """vLLM 0.33 asks it at configuration when sleep mode is enabled (WRK-020): the
+        factory's ``Capabilities.sleep_mode``, from ``kv_connector_extra_config``. False
+        without a configuration; a factory that cannot be loaded raises, naming why."""
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+        if extra is None:
+            return False
+        return bool(factory_from_extra(extra).capabilities.sleep_mode)
 
     def unregister_kv_caches(self) -> None:
-        """vLLM 0.33; never called, since ``supports_sleep_mode`` is False.
+        """vLLM 0.33, before the worker sleeps (the engine paused and drained, the device
+        synchronized): the worker role's ``unregister_kv_caches`` (WRK-018). Idempotent.
 
         Raises:
-            UnsupportedOperationError: always (WRK-001).
+            UnsupportedOperationError: the connector does not declare ``sleep_mode``
+                (WRK-020; vLLM refuses such a configuration before it gets here).
         """
-        raise UnsupportedOperationError(
-            "kvspec connectors register their KV caches once (WRK-001) and cannot drop "
-            "them; KVSpecConnector.supports_sleep_mode() is False", clause="WRK-001",
-        )
+        if self._worker is None or self._layout is None:  # nothing registered: nothing to drop
+            return
+        self._work().unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
-        """vLLM 0.33; never called, since ``supports_sleep_mode`` is False.
-
-        Raises:
-            UnsupportedOperationError: always (WRK-001).
+        """vLLM 0.33, after the worker woke its KV cache: the worker role's
+        ``restore_kv_caches`` with the same views and layout as at registration (WRK-019):
+        vLLM's cumem allocator maps new memory under the same virtual addresses, so the
+        tensors vLLM registered are valid again (their contents are not). vLLM then
+        collects ``get_handshake_metadata`` again and calls
+        ``set_xfer_handshake_metadata`` a second time (HSK-006). Idempotent.
         """
-        self.unregister_kv_caches()
+        if self._worker is None or self._layout is None:
+            return
+        self._work().restore_kv_caches(self._views, self._layout)
 
     # -- worker side --------------------------------------------------------------------
 

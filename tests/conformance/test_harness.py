@@ -627,3 +627,26 @@ def test_a_preempted_request_queues_behind_requests_whose_loads_ended() -> None:
         assert e.pool.num_free == 7 and victim.status is RequestStatus.PREEMPTED
         e.run(Workload([]))  # and the three run to completion
         assert {r.status for r in e.requests.values()} == {RequestStatus.FINISHED}
+
+
+def test_sleep_is_refused_for_a_connector_without_sleep_mode_and_a_sleeping_engine_does_not_step(
+        tmp_path: Path) -> None:
+    """WRK-020 in the harness: the refusal names the connector and the capability; the
+    engine refuses to step while asleep and to wake while awake."""
+    from kvspec.conformance.connectors import SharedStorageConnector
+    from kvspec.conformance.connectors.null import NullConnector
+    from kvspec.protocols import CapabilityError, InvalidArgumentError
+
+    with Engine(NullConnector(), HarnessConfig(), tmpdir=str(tmp_path / "n")) as engine:
+        with pytest.raises(CapabilityError, match="WRK-020.*sleep_mode"):
+            engine.sleep()
+    with Engine(SharedStorageConnector(), HarnessConfig(prefix_caching=False),
+                tmpdir=str(tmp_path / "s")) as engine:
+        with pytest.raises(InvalidArgumentError):
+            engine.wake()
+        engine.sleep()
+        assert engine.asleep
+        with pytest.raises(InvalidArgumentError, match="asleep"):
+            engine.step()
+        engine.wake()
+        engine.run(Workload([RequestSpec("r", tuple(range(13)), max_new_tokens=2)]))

@@ -13,6 +13,7 @@ from kvspec.protocols.capabilities import Capabilities, FailureReporting, HookGr
 from kvspec.protocols.errors import CapabilityError, InvalidArgumentError
 from kvspec.protocols.layout import StrideOrder
 from kvspec.protocols.views import TransferRole
+from typing import Any
 
 BOOL_FIELDS = (
     "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
@@ -272,3 +273,29 @@ def test_fault_plan_reads_and_checks_the_config() -> None:
                 {"unknown": True}, [1], "yes", {"delay_s": True}):
         with pytest.raises(InvalidArgumentError):
             FaultPlan.from_config(config(bad))
+
+
+def test_sleep_mode_is_off_by_default_and_its_refusal_names_connector_and_capability() -> None:
+    """WRK-020: a connector that does not declare sleep_mode is refused by name."""
+    from kvspec.protocols import CapabilityError, WorkerConnector
+
+    assert Capabilities().sleep_mode is False
+    Capabilities(sleep_mode=True).check_sleep_mode("'x'")
+    with pytest.raises(CapabilityError, match=r"WRK-020.*'tiny'.*sleep_mode") as e:
+        Capabilities().check_sleep_mode("'tiny'")
+    assert e.value.clause == "WRK-020"
+    with pytest.raises(Exception, match="sleep_mode must be a bool"):
+        Capabilities(sleep_mode=1)  # type: ignore[arg-type]
+
+    class _W(WorkerConnector):
+        def register_kv_caches(self, kv_caches: Any, layout: Any) -> None: ...
+        def bind_connector_metadata(self, metadata: Any) -> None: ...
+        def clear_connector_metadata(self) -> None: ...
+        def start_load_kv(self, forward_context: Any) -> None: ...
+        def wait_for_save(self) -> None: ...
+
+    from kvspec.protocols import UnsupportedOperationError
+    with pytest.raises(UnsupportedOperationError, match="WRK-020"):
+        _W().unregister_kv_caches()
+    with pytest.raises(UnsupportedOperationError, match="WRK-020"):
+        _W().restore_kv_caches({}, None)  # type: ignore[arg-type]

@@ -220,6 +220,9 @@ class NixlWorker(WorkerConnector):
         self._groups = config.kv_cache_groups if config.num_groups > 1 else ()
         self._storages: tuple[frozenset[int], ...] = ()  # layer storages of each group
         self._group_runs: dict[str, tuple[tuple[int, ...], ...]] = {}  # peer -> runs of each
+        self._layout: KVCacheLayout | None = None
+        self._asleep = False  # between unregister_kv_caches and restore_kv_caches
+        self._wakes = 0
 
     # -- registration -------------------------------------------------------------------
 
@@ -235,7 +238,7 @@ class NixlWorker(WorkerConnector):
             LayoutMismatchError: the tensors do not match ``layout`` (LAY-008).
             NixlError: NIXL refused the agent or the registration.
         """
-        if self.endpoint is not None or self._closed:
+        if self.endpoint is not None or self._asleep or self._closed:
             raise InvalidArgumentError(
                 "register_kv_caches called twice (or after shutdown)", clause="WRK-001"
             )
@@ -259,15 +262,71 @@ class NixlWorker(WorkerConnector):
                     clause="KVG-001")
             self._storages = tuple(frozenset(slot_of[n] for n in g.layer_names)
                                    for g in self._groups)
+        self._layout = layout
+        self._open(tensors[0], layout)
+
+    def _open(self, buffer: torch.Tensor, layout: KVCacheLayout) -> None:
+        """The rank's NIXL agent over ``buffer``, registered; a new agent name after each
+        wake (``-wN``), so no peer can take it for the agent it knew (HSK-006)."""
         # A consumer only reads: polling drives its transfers, and NIXL's progress thread,
         # which busy-polls a core, is needed only by ranks whose memory others read.
+        suffix = f"-w{self._wakes}" if self._wakes else ""
         self.endpoint = NixlEndpoint(
-            f"{self._config.engine_id}-rank{self._rank}", tensors[0], layout,
+            f"{self._config.engine_id}-rank{self._rank}{suffix}", buffer, layout,
             spec_version=SPEC_VERSION,
             progress_thread=self._config.role is not TransferRole.CONSUMER,
         )
         if self._config.role is TransferRole.CONSUMER:
             self._poller = _Poller(self.endpoint, f"kvspec-nixl-progress-rank{self._rank}")
+
+    # -- sleep and wake (WRK-018, WRK-019, HSK-006) ----------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before the engine sleeps: stop the poller, cancel any READ still in flight
+        (a drained engine leaves none), release every prepared list and remote agent, and
+        deregister the KV memory from NIXL (WRK-018). The peers' information is kept; their
+        agents are loaded again at their next load. Idempotent.
+        """
+        if self._closed or self.endpoint is None:
+            return
+        if self._poller is not None:
+            self._poller.close()
+            self._poller = None
+        self.endpoint.close()
+        self.endpoint = None
+        self._sources.clear()
+        self._group_runs.clear()
+        self._asleep = True
+
+    def restore_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        """At wake: a new NIXL agent registers the tensors given (new addresses, new
+        registration keys); ``get_handshake_metadata`` then describes it, and consumers
+        that see the producer's new metadata in a hand-off handshake again (HSK-006).
+        Idempotent.
+
+        Raises:
+            InvalidArgumentError: arguments of the wrong type, or another layout than the
+                one registered (WRK-019).
+            LayoutMismatchError: the tensors do not match ``layout`` (LAY-008).
+            NixlError: NIXL refused the agent or the registration.
+        """
+        if self._closed or not self._asleep:
+            return
+        if not isinstance(layout, KVCacheLayout) or not isinstance(kv_caches, Mapping):
+            raise InvalidArgumentError(
+                "restore_kv_caches needs a mapping of layer tensors and a KVCacheLayout",
+                clause="WRK-019")
+        if layout != self._layout:
+            raise InvalidArgumentError(
+                "restore_kv_caches got another layout than register_kv_caches",
+                clause="WRK-019")
+        tensors = list(kv_caches.values())
+        layout.check_layer_tensors(tensors)
+        self._wakes += 1
+        self._open(tensors[0], layout)
+        self._asleep = False
 
     def get_handshake_metadata(self) -> HandshakeMetadata | None:
         """The rank's ``PeerInfo`` (NIXL agent metadata, region, block geometry) as

@@ -46,7 +46,8 @@ class NixlConnector(ConnectorFactory):
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
         heterogeneous TP (a consumer rank reads the producer ranks whose KV heads overlap its
         own), full and sliding-window groups (up to 8; several need a layer-outermost
-        layout, and a failed READ then fails its request, KVG-005)."""
+        layout, and a failed READ then fails its request, KVG-005), sleep mode (the KV memory
+        deregistered at sleep, a new agent registered at wake, peers re-handshake)."""
         return Capabilities(
             async_loads=True,
             delayed_free=True,
@@ -59,6 +60,7 @@ class NixlConnector(ConnectorFactory):
             fault_injection=True,  # fail_loads and delay_s on the consumer's READs
             kv_cache_groups=8,
             group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW}),
+            sleep_mode=True,  # deregisters at sleep, a new agent at wake (HSK-006)
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

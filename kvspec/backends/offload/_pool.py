@@ -150,6 +150,9 @@ class HostPool:
             at the offsets the layout states (checked by the worker, LAY-008).
         layout: The descriptor of the registered tensors (LAY-007).
         slots: Capacity of the pool, in blocks.
+        host: The host memory of an earlier pool over the same layout, kept (its contents
+            included) when the KV tensors were re-allocated at an engine's wake (WRK-019);
+            None allocates a fresh one.
         budget_bytes: The byte budget per rank the pool must fit in.
         group_storages: With several KV-cache groups, the layer storages (``layer_slots``
             values) each group's layers use, in group order; empty with one group.
@@ -163,6 +166,7 @@ class HostPool:
     def __init__(
         self, kv_layer0: torch.Tensor, layout: KVCacheLayout, slots: int, budget_bytes: int,
         group_storages: Sequence[frozenset[int]] = (),
+        host: torch.Tensor | None = None,
     ) -> None:
         self.layout = layout
         self.region_nbytes = layout.region_nbytes
@@ -194,9 +198,16 @@ class HostPool:
         """Bytes per element of the indexed copies (16 for the usual layouts)."""
         w = self.element_bytes
         pin = torch.cuda.is_available()
-        self.host = torch.zeros(need, dtype=torch.uint8, pin_memory=pin).view(
-            slots, self.bytes_per_block
-        )
+        if host is not None:  # the pool of an earlier registration, kept (sleep and wake)
+            if host.dtype != torch.uint8 or tuple(host.shape) != (slots, self.bytes_per_block):
+                raise LayoutMismatchError(
+                    f"the kept host pool is {tuple(host.shape)} {host.dtype}; the tensors "
+                    f"restored need ({slots}, {self.bytes_per_block}) uint8", clause="WRK-019")
+            self.host = host
+        else:
+            self.host = torch.zeros(need, dtype=torch.uint8, pin_memory=pin).view(
+                slots, self.bytes_per_block
+            )
         """The pool: ``[slots, bytes_per_block]`` uint8 on the host."""
         kv = whole.view(dtype)  # the whole storage, in wide elements
         base = start // w
@@ -478,6 +489,13 @@ class HostPool:
                                       host[slot:slot + count, lo:hi])
             done(n)
         return True
+
+    def detach_kv(self) -> torch.Tensor:
+        """Drop every reference to the KV caches and return the host memory, kept for a
+        pool over the tensors restored at wake (WRK-018). The pool moves nothing after."""
+        host = self.host
+        self.release()
+        return host
 
     def release(self) -> None:
         """Drop the references to the KV caches and the host memory (WRK-015)."""

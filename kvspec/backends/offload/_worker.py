@@ -73,6 +73,7 @@ from kvspec.protocols import (
     KVSpecError,
     MetadataSlot,
     SupportsAggregate,
+    TransferTimeoutError,
     WorkerConnector,
 )
 
@@ -179,6 +180,7 @@ class OffloadWorker(WorkerConnector):
         self._sync_invalid: set[int] = set()  # failed blocks of sync loads, not yet reported
         self._loader: Runner | None = None  # the pipelined sync loads' thread
         self._layer_of: dict[str, int] = {}  # layer name -> its storage (LAY-011)
+        self._asleep_host: torch.Tensor | None = None  # the host pool kept during a sleep
         self._pipelined: list[_Job] = []  # this step's pipelined sync loads
         self._stats_lock = threading.Lock()
         self._counters: dict[str, int] = {}
@@ -212,9 +214,22 @@ class OffloadWorker(WorkerConnector):
                 f"kv_caches must map layer names to tensors, got {type(kv_caches).__name__}",
                 clause="WRK-001",
             )
+        storages = self._check_tensors(kv_caches, layout)
+        tensors = list(kv_caches.values())
+        s = self._settings
+        self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes, storages)
+        self._slot_tags = [-1] * s.offload_slots
+        self._bind_tensors(kv_caches, layout)
+        self._layout = layout
+        self._executor = Runner(f"kvspec-offload-rank{self._rank}")
+        if s.sync_loads:
+            self._loader = Runner(f"kvspec-offload-loader-rank{self._rank}", any_cpu=True)
+
+    def _check_tensors(self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+                       ) -> list[frozenset[int]]:
+        """Check the tensors against ``layout`` (LAY-008); each group's layer storages."""
         tensors = list(kv_caches.values())
         layout.check_layer_tensors(tensors)  # one buffer at the stated offsets (LAY-008)
-        s = self._settings
         storages: list[frozenset[int]] = []
         if self._groups:
             slot_of = dict(zip(kv_caches, layout.layer_slots))
@@ -225,19 +240,82 @@ class OffloadWorker(WorkerConnector):
                         f"KV-cache group {g} names layers {missing[:3]} that were not "
                         f"registered; registered: {list(slot_of)[:4]}...", clause="KVG-001")
                 storages.append(frozenset(slot_of[n] for n in group.layer_names))
-        self.pool = HostPool(tensors[0], layout, s.offload_slots, s.offload_bytes, storages)
-        self._slot_tags = [-1] * s.offload_slots
+        return storages
+
+    def _bind_tensors(self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+                      ) -> None:
+        """What refers to the KV tensors besides the pool: the staging buffers, the
+        stream, the pipelined loads' layer map."""
+        assert self.pool is not None
+        tensors = list(kv_caches.values())
         if self.store_path == "layerwise":
-            self._stage = SaveStage(kv_caches, layout, self.pool, s.stage_blocks)
-        if tensors[0].is_cuda:
+            self._stage = SaveStage(kv_caches, layout, self.pool, self._settings.stage_blocks)
+        if tensors[0].is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(device=tensors[0].device)  # type: ignore[no-untyped-call]
-        self._layout = layout
-        self._executor = Runner(f"kvspec-offload-rank{self._rank}")
-        if s.sync_loads:
-            if self.pool.layer_chunks:  # pipelined loads: each layer's storage
-                slots = layout.layer_slots
-                self._layer_of = {name: slots[i] for i, name in enumerate(kv_caches)}
-            self._loader = Runner(f"kvspec-offload-loader-rank{self._rank}", any_cpu=True)
+        if self._settings.sync_loads and self.pool.layer_chunks:  # pipelined loads
+            slots = layout.layer_slots
+            self._layer_of = {name: slots[i] for i, name in enumerate(kv_caches)}
+
+    # -- sleep and wake (WRK-018, WRK-019) ---------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before the engine sleeps: wait (bounded) for any copy still running, then drop
+        every reference to the KV tensors; the host pool, its contents and the scheduler
+        role's index are kept, so what was stored before the sleep is served after the
+        wake (WRK-018). Idempotent; nothing before registration or after shutdown.
+
+        Raises:
+            TransferTimeoutError: a copy still runs after ``io_timeout_s`` (WRK-014): the
+                tensors cannot be released safely.
+        """
+        if self._closed or self.pool is None:
+            return
+        jobs = (*self._loads.values(), *self._pipelined, *self._stuck,
+                *(j for js in self._stores.values() for j in js),
+                *(j for js in self._late_copies.values() for j in js))
+        deadline = time.monotonic() + self._settings.io_timeout_s
+        for j in jobs:  # a drained engine leaves none running; a late copy may still
+            if not j.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TransferTimeoutError(
+                    f"rank {self._rank}: the copy of request {j.job.request_id!r} still runs "
+                    f"{self._settings.io_timeout_s} s into unregister_kv_caches; the KV "
+                    "tensors cannot be released", clause="WRK-018")
+            j.lock.release()
+        if self._stage is not None:
+            self._stage.release()
+        self._stage = None
+        self._layer_of = {}
+        self._asleep_host = self.pool.detach_kv()
+        self.pool = None
+
+    def restore_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        """At wake: bind the pool's kept host memory to the tensors given, wherever they
+        now lie (WRK-019). Idempotent: nothing unless ``unregister_kv_caches`` ran.
+
+        Raises:
+            InvalidArgumentError: arguments of the wrong type, or another layout than the
+                one registered (WRK-019).
+            LayoutMismatchError: a tensor does not match ``layout`` (LAY-008).
+        """
+        host = self._asleep_host
+        if self._closed or host is None:
+            return
+        if not isinstance(layout, KVCacheLayout) or not isinstance(kv_caches, Mapping):
+            raise InvalidArgumentError(
+                "restore_kv_caches needs a mapping of layer tensors and a KVCacheLayout",
+                clause="WRK-019")
+        if layout != self._layout:
+            raise InvalidArgumentError(
+                "restore_kv_caches got another layout than register_kv_caches: the kept "
+                "host pool holds blocks of the registered one", clause="WRK-019")
+        storages = self._check_tensors(kv_caches, layout)
+        s = self._settings
+        self.pool = HostPool(list(kv_caches.values())[0], layout, s.offload_slots,
+                             s.offload_bytes, storages, host=host)
+        self._asleep_host = None
+        self._bind_tensors(kv_caches, layout)
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -1074,6 +1152,7 @@ class OffloadWorker(WorkerConnector):
         if self.pool is not None:
             self.pool.release()
         self.pool = None
+        self._asleep_host = None
         self._slot_tags = []
         self._stream = None
         self._slot.clear()

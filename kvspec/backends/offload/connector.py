@@ -55,7 +55,8 @@ class OffloadConnector(ConnectorFactory):
     @property
     def capabilities(self) -> Capabilities:
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
-        preemption fences (WRK-012), full and sliding-window groups (up to 8)."""
+        preemption fences (WRK-012), full and sliding-window groups (up to 8), sleep mode with
+        the host tier kept across the sleep (WRK-018, WRK-019)."""
         return Capabilities(
             async_loads=True,
             delayed_free=True,
@@ -67,6 +68,7 @@ class OffloadConnector(ConnectorFactory):
             fault_injection=True,
             kv_cache_groups=8,
             group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW}),
+            sleep_mode=True,
         )
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:

@@ -65,6 +65,7 @@ __all__ = [
     "BROKEN_CONNECTORS",
     "BrokenConnector",
     "ChunkedAdvertConnector",
+    "StaleTensorsConnector",
     "CorruptLoadConnector",
     "CrashingConnector",
     "DoubleReportConnector",
@@ -1166,8 +1167,34 @@ class ForwardOnlySavesConnector(BrokenConnector):
     worker_class = _ForwardOnlySavesWorker
 
 
+# ------------------------------------------------------------------------------ sleep
+
+
+class _StaleTensorsWorker(SharedStorageWorker):
+    """Declares sleep mode but never lets go of the tensors registered first: after the
+    wake it still reads and writes them (WRK-019)."""
+
+    def unregister_kv_caches(self) -> None:
+        return None
+
+    def restore_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                          layout: KVCacheLayout) -> None:
+        return None
+
+
+class StaleTensorsConnector(BrokenConnector):
+    """Breaks WRK-019: restore_kv_caches ignores the tensors it is given, so a hit after
+    the wake is copied into the KV tensors the sleep retired (on a GPU: freed memory) and
+    the model reads never-written blocks."""
+
+    violates: ClassVar[str] = "WRK-019"
+    selection: ClassVar[str] = "TestSleep and mid_serving and 1"
+    worker_class = _StaleTensorsWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
-                               | type[UnsyncedWriterConnector], str], ...] = tuple(
+                               | type[UnsyncedWriterConnector] | type[StaleTensorsConnector],
+                               str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
         FullPromptHitConnector,
@@ -1201,6 +1228,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         LoadsCutMatchConnector,
         ChunkedAdvertConnector,
         ForwardOnlySavesConnector,
+        StaleTensorsConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

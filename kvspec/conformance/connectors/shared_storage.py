@@ -405,6 +405,28 @@ class SharedStorageWorker(WorkerConnector):
         os.makedirs(self._dir, exist_ok=True)
         self._pool = IoThread(f"kvspec-shared-storage-rank{self._rank}")
 
+    def unregister_kv_caches(self) -> None:
+        """Before the engine sleeps: wait (bounded) for every load and save still in
+        flight, then drop the reference to the KV tensors (WRK-018). The files stay: what
+        was stored before the sleep is served after it. Idempotent."""
+        if self._kv is None or self._closed:
+            return
+        for t in (*self._loads.values(), *self._saves.values()):
+            t.wait()
+        self._kv = None
+
+    def restore_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+    ) -> None:
+        """At wake: read and write the tensors given from now on (WRK-019). Idempotent.
+
+        Raises:
+            LayoutMismatchError: a tensor does not match ``layout`` (LAY-008).
+        """
+        if self._kv is not None or self._closed or self._pool is None:
+            return
+        self._kv = KVBlocks(kv_caches, layout)
+
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         """Bind the step's metadata (WRK-003); InvalidArgumentError if it is not
         ``SharedStorageMetadata``."""
@@ -591,7 +613,8 @@ class SharedStorageConnector(ConnectorFactory):
         return Capabilities(
             async_loads=True, delayed_free=True, layer_hooks=HookGraphMode.NO_LAYER_HOOKS,
             accepted_layouts=(), accepts_split_kv=True,
-            failure_reporting=FailureReporting.INVALID_BLOCKS, fault_injection=True)
+            failure_reporting=FailureReporting.INVALID_BLOCKS, fault_injection=True,
+            sleep_mode=True)
 
     def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
         """Build the scheduler role (``scheduler_class``)."""

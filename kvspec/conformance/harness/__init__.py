@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from .config import HarnessConfig
 from .engine import Engine, RunResult
-from .pd import run_disaggregated
+from .pd import run_disaggregated, serve_pair
 from .workload import RequestSpec, Workload, workloads
 
 __all__ = [
-    "Engine", "HarnessConfig", "RequestSpec", "RunResult", "Workload", "run_disaggregated", "workloads",
+    "Engine", "HarnessConfig", "RequestSpec", "RunResult", "Workload", "run_disaggregated", "serve_pair",
+    "workloads",
 ]

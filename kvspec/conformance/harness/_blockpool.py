@@ -154,6 +154,14 @@ class BlockPool:
                 out.append(b)
         return out
 
+    def forget_cached(self) -> list[int]:
+        """Forget every cached block no request holds (the KV memory went away, as at an
+        engine's sleep); return them (now free and uncached)."""
+        out = [b for b in list(self._hash_of) if self._ref[b] == 0]
+        for b in out:
+            self.uncache(b)
+        return out
+
     def check_all_free(self) -> list[int]:
         """Blocks still referenced (a leak when the engine is idle)."""
         return [b for b, r in enumerate(self._ref) if r > 0]

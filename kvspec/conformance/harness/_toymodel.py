@@ -21,7 +21,7 @@ __all__ = ["POISON", "ToyModel", "prefix_hashes", "tenant_seed", "weights_seed"]
 
 POISON = 111
 """The value written into freed blocks; never produced by the model (nor are the other
-poisons, ``POISON + 2``, ``+ 4``, ``+ 6`` and ``+ 8``, see the worker runtime)."""
+poisons, ``POISON + 2``, ``+ 4``, ``+ 6``, ``+ 8`` and ``POISON - 5``, see the worker runtime)."""
 
 _MASK = (1 << 61) - 1
 _VOCAB = 997

@@ -65,6 +65,15 @@ class WorkerGroup(Protocol):
         transfer writes into them afterwards is seen (WRK-017)."""
         ...
 
+    def sleep(self) -> None:
+        """Every rank: ``unregister_kv_caches``, then its KV tensors retired (WRK-018)."""
+        ...
+
+    def wake(self) -> dict[int, HandshakeMetadata | None]:
+        """Every rank: new KV tensors, ``restore_kv_caches`` (WRK-019); the ranks' handshake
+        metadata collected again (HSK-006)."""
+        ...
+
     def shutdown(self) -> None:
         """Shut every rank down, within a bounded time."""
         ...
@@ -104,6 +113,15 @@ class InProcessWorkers:
     def poison(self, msg: Mapping[str, Any]) -> None:
         """Write the poisons now (``WorkerGroup.poison``)."""
         self.runtime.poison(msg)
+
+    def sleep(self) -> None:
+        """Unregister and retire the rank's KV tensors (``WorkerRuntime.sleep``)."""
+        self.runtime.sleep()
+
+    def wake(self) -> dict[int, HandshakeMetadata | None]:
+        """Re-allocate and restore the rank's KV tensors; its handshake metadata again."""
+        self.runtime.wake()
+        return self.handshakes()
 
     def shutdown(self) -> None:
         """Shut the rank down."""
@@ -147,6 +165,15 @@ def worker_main(argv: list[str]) -> None:  # pragma: no cover - runs in a worker
                 rt.shutdown()
                 _send(conn_out, {"ok": True, "leaked": _leaked_since(before)})
                 return
+            if req["type"] == "sleep":
+                rt.sleep()
+                _send(conn_out, {"ok": True})
+                continue
+            if req["type"] == "wake":
+                rt.wake()
+                hs = rt.connector.get_handshake_metadata()
+                _send(conn_out, {"ok": True, "handshake": hs.encode().decode() if hs else None})
+                continue
             if req["type"] == "poison":
                 rt.poison(req["msg"])
                 _send(conn_out, {"ok": True})
@@ -312,6 +339,25 @@ class ProcessWorkers:
             out.send_bytes(payload)
         for rank in range(len(self.conns)):
             self._recv(rank)
+
+    def sleep(self) -> None:
+        """Every rank unregisters and retires its KV tensors (``WorkerRuntime.sleep``)."""
+        payload = json.dumps({"type": "sleep"}).encode()
+        for _, out in self.conns:
+            out.send_bytes(payload)
+        for rank in range(len(self.conns)):
+            self._recv(rank)
+
+    def wake(self) -> dict[int, HandshakeMetadata | None]:
+        """Every rank re-allocates and restores; their handshake metadata, collected again
+        (HSK-006) and decoded defensively (HSK-005)."""
+        payload = json.dumps({"type": "wake"}).encode()
+        for _, out in self.conns:
+            out.send_bytes(payload)
+        for rank in range(len(self.conns)):
+            hs = self._recv(rank)["handshake"]
+            self._handshakes[rank] = HandshakeMetadata.decode(hs.encode()) if hs else None
+        return self.handshakes()
 
     def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> StepResult:
         """Send the step to every rank, then collect the outputs in rank order."""

@@ -30,6 +30,7 @@ from kvspec.protocols import (
     ForwardKind,
     ForwardPlan,
     GraphMode,
+    HarnessError,
     HookGraphMode,
     HookPlacement,
     KVConnectorOutput,
@@ -50,8 +51,8 @@ from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
 from .._attribution import hide_unless_harness_bug
 
-__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "WINDOW_POISON", "WorkerRuntime",
-           "open_device"]
+__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "RETIRED_POISON", "WINDOW_POISON",
+           "WorkerRuntime", "open_device"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 FREED_POISON = POISON
@@ -85,6 +86,10 @@ NULL_POISON = POISON + 6
 """Written into the null block of a hybrid model (KVG-004): finding it in loaded KV proves a
 store that read a skipped position; a null block that no longer holds it was written."""
 PREEMPTED_POISON = POISON + 4
+RETIRED_POISON = POISON - 5
+"""Written into the KV tensors an engine's sleep retired, right after
+``unregister_kv_caches`` returned; finding it in loaded KV, or anything else in the retired
+tensors, proves a connector that kept using them after the sleep (WRK-018, WRK-019)."""
 """Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
 loading it back proves a transfer that still read them (WRK-012)."""
 
@@ -171,6 +176,8 @@ class WorkerRuntime:
         self._alloc_value: dict[int, int] = {}
         self._freed: dict[int, int] = {}  # blocks holding FREED_POISON -> the step freed
         self._alloc_blocks: dict[int, set[int]] = {}
+        self._retired: list[torch.Tensor] = []  # KV buffers of earlier sleeps, poisoned
+        self.asleep = False
         self._closed = False
         self._forward(ForwardKind.PROFILE, self.t_max)  # before registration: no hook (DRY-002)
 
@@ -201,8 +208,68 @@ class WorkerRuntime:
             for size in self.config.capture_sizes:
                 self._capture(size)
 
+    def sleep(self) -> None:
+        """Sleep, as vLLM 0.33's worker does once the engine drained (WRK-018): the
+        connector unregisters (twice: it must be idempotent), then the KV buffer is retired:
+        poisoned with ``RETIRED_POISON`` and kept (never handed out again, so a connector
+        that still touches it is seen, not a crash). Captured graphs are dropped: they
+        read the retired buffer."""
+        if self.asleep:
+            raise HarnessError("harness bug: sleep() on a sleeping worker")
+        self.connector.unregister_kv_caches()
+        self.connector.unregister_kv_caches()
+        for pieces in self.graphs.values():
+            for g in pieces:
+                g.reset()
+        self.graphs.clear()
+        self.buffer.fill_(RETIRED_POISON)
+        self._retired.append(self.buffer)
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Wake (WRK-019): a new KV buffer at new addresses (the retired one is still
+        alive, so the allocator cannot hand the same range back), filled with
+        ``ALLOC_POISON``; the connector restores with the new views and the same layout
+        (twice: idempotent); configured graph sizes are captured again."""
+        if not self.asleep:
+            raise HarnessError("harness bug: wake() on a worker that is awake")
+        self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype,
+                                  device=self.device)
+        self.buffer.fill_(ALLOC_POISON)
+        view = self.layout.view(self.buffer)
+        self.layers = [view[i] for i in range(self.config.num_layers)]
+        self._alloc_value.clear()
+        self._alloc_blocks.clear()
+        self._freed.clear()
+        self._reused.clear()
+        if self.config.sliding_window is not None:
+            self._poison(NULL_BLOCK_ID, NULL_POISON)
+        kv = dict(zip(self.layer_names, self.layers))
+        self.connector.restore_kv_caches(kv, self.layout)
+        self.connector.restore_kv_caches(kv, self.layout)
+        self.asleep = False
+        if self.mode is not GraphMode.NONE and not self.config.lazy_capture:
+            for size in self.config.capture_sizes:
+                self._capture(size)
+
+    def _retired_written(self, step: int) -> list[dict[str, str]]:
+        """WRK-018 / WRK-019: nothing writes a KV buffer retired at a sleep."""
+        for n, old in enumerate(self._retired):
+            bad = old != RETIRED_POISON
+            if bool(bad.any()):
+                where = int(bad.nonzero()[0, 0])
+                old.fill_(RETIRED_POISON)  # reported once
+                return [{"clause": "WRK-019", "observed": f"rank {self.rank}: by the end of step "
+                         f"{step}, the KV tensors retired at sleep {n + 1} were written (first "
+                         f"changed element {where}): the connector still wrote the tensors "
+                         "registered before the sleep", "expected": "after restore_kv_caches, "
+                         "reads and writes only of the tensors it was given at wake"}]
+        return []
+
     def step(self, msg: Mapping[str, Any], meta: ConnectorMetadata) -> tuple[KVConnectorOutput, list[dict[str, str]]]:
         """Run one real step; return the connector output and the violations observed."""
+        if self.asleep:
+            raise HarnessError("harness bug: a step on a sleeping worker")
         if msg["preempted"]:  # first, as vLLM's execute_model does: before the preempted
             # requests' blocks are reused (here: poisoned), the connector fences (WRK-012)
             self.connector.handle_preemptions(frozenset(msg["preempted"]))
@@ -247,7 +314,8 @@ class WorkerRuntime:
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
         took = time.monotonic() - start
         self.connector.clear_connector_metadata()
-        violations = written + lost + self._check_reads(reqs, reads, out.invalid_block_ids, kind)
+        violations = (written + self._retired_written(msg["step"]) + lost
+                      + self._check_reads(reqs, reads, out.invalid_block_ids, kind))
         violations += self._null_block_written(msg["step"])
         if took > self.config.hook_budget_s:
             violations.append({
@@ -599,6 +667,12 @@ class WorkerRuntime:
                     "engine had skipped (the null block)", "expected": "positions holding the "
                     "null block never read or written; a store keeps only the blocks the "
                     "window still holds"}
+        if loaded and bool((got == RETIRED_POISON).all()):
+            return {"clause": "WRK-019", "observed": f"{where} was loaded with the poison the "
+                    "engine writes into the KV tensors it retired at sleep: the connector "
+                    "stored from (or loaded through) the tensors registered before the sleep",
+                    "expected": "after restore_kv_caches, reads and writes only of the "
+                    "tensors it was given at wake"}
         if loaded and bool((got == PREEMPTED_POISON).all()):
             return {"clause": "WRK-012", "observed": f"{where} was loaded with the poison the "
                     "engine writes into the blocks of preempted requests once "

@@ -267,10 +267,77 @@ class Engine:
         self._fail_at = dict(self.config.fail_steps)  # step -> the rank it fails on
         self._salvaged: list[KVConnectorOutput] | None = None  # for an executor without defer
         self._cut: set[str] = set()  # requests whose asynchronous match the engine cut to 0
+        self._asleep = False
+        self.sleeps = 0
+        """Sleeps this engine woke from."""
         bind = getattr(self.scheduler, "bind_block_references", None)
         if bind is not None:  # SCH-030: once, after the pool exists, before the first step
             bind(self.references)
         handshakes = self.workers.handshakes()
+        if any(h is not None for h in handshakes.values()):
+            self.scheduler.set_xfer_handshake_metadata(
+                {r: h for r, h in handshakes.items() if h is not None}
+            )
+
+    # -- sleep and wake (WRK-018 .. WRK-020, HSK-006) ---------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        """True between ``sleep`` and ``wake``."""
+        return self._asleep
+
+    def sleep(self, *, abort: bool = False, peers: Iterable[Engine] = (),
+              max_steps: int = 500) -> None:
+        """Put the engine to sleep mid-serving, as vLLM 0.33 does (level 1).
+
+        Refuses a connector that does not declare ``sleep_mode`` (WRK-020). Then drains:
+        with ``abort`` every unfinished request is aborted first (vLLM's ``mode="abort"``),
+        otherwise the requests are served to the end (``mode="wait"``); the engine steps
+        (``peers`` step too, a decode engine that still reads this one's blocks) until no
+        request runs or waits for remote KV, every delayed free and store in flight is
+        reported and no step is in flight. Then every rank's ``unregister_kv_caches`` runs
+        and its KV tensors are retired (WRK-018); the prefix cache is forgotten with them.
+        The scheduler role keeps its state.
+
+        Raises:
+            CapabilityError: the connector does not declare ``sleep_mode`` (WRK-020).
+            InvalidArgumentError: the engine is already asleep.
+        """
+        self.caps.check_sleep_mode(repr(self.factory.name))
+        if self._asleep:
+            raise InvalidArgumentError("sleep() on an engine that is asleep")
+        if abort:
+            for rid in list(self.requests):
+                self.abort(rid)
+        others = list(peers)
+        steps = 0
+        while not self.idle:
+            if steps >= max_steps and not self.awaited:
+                raise AssertionError(f"harness: the engine did not drain for sleep in "
+                                     f"{max_steps} steps ({self.stuck()})")
+            self.step()
+            for p in others:
+                p.step()
+            steps += 1
+        self._flush_poison()
+        self.pool.forget_cached()
+        self.workers.sleep()
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Wake: every rank re-allocates its KV tensors (at new addresses) and calls
+        ``restore_kv_caches`` (WRK-019); then every rank's handshake metadata is collected
+        again and handed to ``set_xfer_handshake_metadata`` before the next step (HSK-002,
+        HSK-006).
+
+        Raises:
+            InvalidArgumentError: the engine is not asleep.
+        """
+        if not self._asleep:
+            raise InvalidArgumentError("wake() on an engine that is not asleep")
+        handshakes = self.workers.wake()
+        self._asleep = False
+        self.sleeps += 1
         if any(h is not None for h in handshakes.values()):
             self.scheduler.set_xfer_handshake_metadata(
                 {r: h for r, h in handshakes.items() if h is not None}
@@ -543,6 +610,8 @@ class Engine:
 
     def step(self) -> None:
         """Schedule, build metadata, (in async mode: process the previous output), execute."""
+        if self._asleep:
+            raise InvalidArgumentError("step() on an engine that is asleep: wake() it first")
         self.step_id += 1
         out_view, plans = self._schedule()
         meta = self._build_meta(out_view)

@@ -129,6 +129,7 @@ class VllmConnectorFactory:
         self._platform: _objects.PlatformKV | None = None
         self._capabilities: Capabilities | None = None
         self._hma = False  # vLLM keeps its hybrid allocator on for this connector's config
+        self._sleep = False  # the connector's own supports_sleep_mode (vLLM >= 0.33)
 
     @property
     def platform(self) -> _objects.PlatformKV:
@@ -153,6 +154,11 @@ class VllmConnectorFactory:
 
                 self._hma = bool(KVConnectorFactory.supports_hma_config(
                     vconf.kv_transfer_config))
+            # vLLM >= 0.33: the connector's own answer for this configuration (WRK-020);
+            # older releases have no sleep hooks, so no sleep is certified there
+            ask = getattr(self.connector_class, "supports_sleep_mode", None)
+            with _ours("asking the connector whether it supports vLLM's sleep mode"):
+                self._sleep = bool(ask(vconf.kv_transfer_config)) if callable(ask) else False
             # A vLLM worker process runs the platform's worker module first; vLLM-CPU's
             # (cpu_worker) stands in for CUDA events, streams and pinned memory there, and
             # connectors rely on it: every process of the wrapper imports it alike.
@@ -189,7 +195,7 @@ class VllmConnectorFactory:
             self._capabilities = attrs.evolve(
                 caps, accepted_layouts=(platform.layout,),
                 block_sizes=caps.block_sizes or (platform.block_size,),
-                **self._hybrid())
+                sleep_mode=self._sleep, **self._hybrid())
         return self._capabilities
 
     def _hybrid(self) -> dict[str, Any]:
@@ -600,6 +606,33 @@ class _VllmWorker(WorkerConnector):
                                                            kv_config)
                 self._kv, self._layout = dict(kv_caches), layout
                 self._conn.register_kv_caches(dict(kv_caches))
+
+    def unregister_kv_caches(self) -> None:
+        """The harness's sleep: vLLM 0.33's worker calls the connector's own
+        ``unregister_kv_caches`` before the sleep-mode backend frees the KV cache."""
+        conn = self._vllm("unregister_kv_caches")
+        with _guest():
+            conn.unregister_kv_caches()
+
+    def restore_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                          layout: KVCacheLayout) -> None:
+        """The harness's wake: vLLM 0.33's worker calls the connector's own
+        ``restore_kv_caches`` (no arguments: vLLM maps new memory under the tensors it
+        registered). The harness re-allocates the tensors at new addresses, so the
+        connector is told through the only channel vLLM has: the tensors it registered
+        are swapped for views of the new memory first (``set_``), as cumem's remap does
+        for the same virtual range."""
+        conn = self._vllm("restore_kv_caches")
+        if layout != self._layout or list(kv_caches) != list(self._kv):
+            raise InvalidArgumentError("restore_kv_caches got other layers or another layout "
+                                       "than register_kv_caches", clause="WRK-019")
+        with _guest():
+            for name, tensor in kv_caches.items():
+                old = self._kv[name]
+                if old.data_ptr() != tensor.data_ptr():
+                    old.set_(tensor.untyped_storage(), tensor.storage_offset(),
+                             tensor.size(), tensor.stride())
+            conn.restore_kv_caches()
 
     def handle_preemptions(self, preempted_req_ids: frozenset[str]) -> None:
         self._preempted = self._preempted | preempted_req_ids
