@@ -146,6 +146,21 @@ FINDINGS: tuple[Finding, ...] = (
         also=("MultiConnector",),
     ),
     Finding(
+        "EX-7", "ExampleConnector", "SCH-032",
+        r"holds the KV of the same tokens computed before a cache reset",
+        "connector bug",
+        "A cache reset is reported done while its stored KV keeps being served",
+        "The connector does not implement `reset_cache`; the base class answers None, which "
+        "vLLM reads as a reset done (`reset_prefix_cache(reset_connector=True)` returns "
+        "True, and pause with clear_cache and sleep at level 1 or more go ahead). The files "
+        "stored before the reset stay and are loaded again for the same tokens: after the "
+        "weight update a reset precedes, every hit is KV computed with the old weights.",
+        fix="implement `reset_cache`: move the store to a new directory (or delete its files) "
+        "and return True, or return False so the caller knows the reset did not take.",
+        reproducer="docs/vllm-findings/EX-7.py",
+        also=("MultiConnector",),
+    ),
+    Finding(
         "NX-1", "NixlConnector", "ERR-002", r"with the connector's own params with",
         "connector bug",
         "A client's malformed kv_transfer_params crash the scheduler",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import importlib
 import os
 import random
@@ -378,7 +379,12 @@ class _ProcessGroup:
                                            "EngineConfigView.extra['kvspec.tmpdir']")
             # The ranks of a TP engine are fresh processes of one harness process; a lone
             # rank needs no peer, and a new name each time (a store file is not reusable).
-            name = (f"vllm-tp-{config.engine_id}-{os.getppid()}" if config.tp_size > 1
+            # The name is also vLLM's CPU shared-memory group name (VLLM_DIST_IDENT): a
+            # group whose ranks died in an earlier test may leave its segment behind, so
+            # the ranks of one engine agree on a name no other test's engine has (its
+            # scratch directory, fresh per test, and the engine id).
+            scope = hashlib.sha256(os.path.abspath(tmp).encode()).hexdigest()[:10]
+            name = (f"vllm-tp-{config.engine_id}-{os.getppid()}-{scope}" if config.tp_size > 1
                     else f"vllm-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             os.makedirs(tmp, exist_ok=True)  # torch's FileStore waits for a missing dir
             where = f"file://{tmp}/{name}"
