@@ -40,7 +40,7 @@ v3stamp="$KVSPEC_VLLM033_VENV/.kvspec-vllm033-stamp"
 v3want="$(cat "$KVSPEC_ROOT/pyproject.toml" "$KVSPEC_ROOT/scripts/vllm033_env.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$v3stamp" 2>/dev/null || true)" != "$v3want" ]; then
   start=$(date +%s)
-  echo "kvspec: building the vLLM 0.33 lane ($KVSPEC_VLLM033_DIST==0.33.0 over torch 2.13 CPU) in $KVSPEC_VLLM033_VENV (about 2-5 minutes)" >&2
+  echo "kvspec: building the vLLM 0.33 lane ($KVSPEC_VLLM033_DIST==0.33.0 over torch 2.13 CPU) in $KVSPEC_VLLM033_VENV (about 3-9 minutes)" >&2
   [ -x "$KVSPEC_VLLM033_VENV/bin/python" ] || "$PYTHON" -m venv "$KVSPEC_VLLM033_VENV"
   V3PY="$KVSPEC_VLLM033_VENV/bin/python"
   # pip's notes on the requirements left out on purpose are noise here.
