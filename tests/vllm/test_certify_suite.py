@@ -146,6 +146,7 @@ def test_the_published_page_has_a_row_for_every_registered_connector() -> None:
                for r in rows), rows
 
 
+@pytest.mark.needs_engine  # the reproducer runs vLLM alone, in an engine
 def test_a_findings_standalone_script_reproduces_it_in_vllm() -> None:
     """The reproducer of EX-4 (cross-tenant KV) against vLLM alone, as the page's runs do."""
     from kvspec.vllm.certify.report import run_reproducer

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _kvspec(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("kvspec")
@@ -16,6 +18,7 @@ def _kvspec(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
                           env=env, check=False)
 
 
+@pytest.mark.needs_engine
 def test_demo_vllm_serves_pass_two_from_the_connector() -> None:
     proc = _kvspec("demo", "vllm", "--requests", "2", "--prompt-tokens", "97", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,6 +44,7 @@ def test_bench_vllm_adapter_prints_each_part() -> None:
     assert "scheduler output view" in result["parts_us"]
 
 
+@pytest.mark.needs_engine
 def test_bench_vllm_compares_offload_with_vllms_example_connector() -> None:
     """One round of the offload comparison, as a user runs it: both arms take the same
     tokens from their connector and generate the no-connector engine's tokens."""

@@ -16,6 +16,8 @@ from conftest import BLOCK, MAX_TOKENS, PROMPTS, engine
 from kvspec.backends.nixl import PARAMS_KIND
 from kvspec.protocols import FAULTS_KEY, FaultPlan
 
+# Each test starts vLLM engines: not on the engine-free 0.33 lane (tests/vllm/conftest.py).
+pytestmark = pytest.mark.needs_engine
 PROBES = "kvspec_vllm_probes"
 OFFLOAD = "kvspec.backends.offload:OffloadConnector"
 

