@@ -35,6 +35,7 @@ from kvspec.protocols import (
     KVPacking,
     KVSpecError,
     RequestStatus,
+    TransferTimeoutError,
 )
 
 # -- block pool -------------------------------------------------------------------------
@@ -242,6 +243,35 @@ def test_requests_end_in_terminal_states() -> None:
         e.run(SCENARIOS["aborts"])
         assert {r.status for r in e.requests.values()} <= {RequestStatus.FINISHED,
                                                            RequestStatus.ABORTED}
+
+
+def test_a_worker_that_does_not_start_in_time_fails_typed_and_is_reaped() -> None:
+    """ERR-007: the start of a worker process (spawn, imports, the worker role, the
+    registration) has its own bound, worker_start_timeout_s, longer by default than the
+    bound on each later answer, so a busy machine starting several ranks is not taken for a
+    connector that hangs; when it expires the error names the rank, and no process is left."""
+    from slow_start import SlowStartConnector
+
+    def children() -> set[int]:
+        out = set()
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                out.add(int(entry.name))
+        return out
+
+    before = children()
+    t = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="worker rank 0 did not start within 2"):
+        Engine(SlowStartConnector(), HarnessConfig(tp_size=2, worker_start_timeout_s=2),
+               factory_spec="slow_start:SlowStartConnector")
+    assert time.monotonic() - t < 20
+    left = children() - before
+    assert not left
+    assert HarnessConfig().worker_start_timeout_s > HarnessConfig().worker_timeout_s
 
 
 def test_dead_worker_process_fails_fast_without_hanging() -> None:

@@ -298,19 +298,21 @@ class ProcessWorkers:
                     "factory": factory_spec, "config": config.to_plain(), "rank": rank,
                     "tmpdir": tmpdir, "path": list(sys.path),
                 })
-            for rank in range(config.tp_size):
-                reply = self._recv(rank)
+            for rank in range(config.tp_size):  # the ranks start side by side
+                reply = self._recv(rank, config.worker_start_timeout_s, "start")
                 hs = reply["handshake"]
                 self._handshakes[rank] = HandshakeMetadata.decode(hs.encode()) if hs else None
         except BaseException:
             self._kill()
             raise
 
-    def _recv(self, rank: int) -> dict[str, Any]:
+    def _recv(self, rank: int, timeout_s: float | None = None,
+              what: str = "answer") -> dict[str, Any]:
         conn = self.conns[rank][0]
-        if not conn.poll(self.timeout):
+        timeout_s = self.timeout if timeout_s is None else timeout_s
+        if not conn.poll(timeout_s):
             raise TransferTimeoutError(
-                f"worker rank {rank} did not answer within {self.timeout} s", clause="ERR-007"
+                f"worker rank {rank} did not {what} within {timeout_s} s", clause="ERR-007"
             )
         try:
             reply: dict[str, Any] = json.loads(conn.recv_bytes())

@@ -118,7 +118,13 @@ class HarnessConfig:
             a replayed sliding window cuts the hit (SCH-034). False, the default.
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
-        worker_timeout_s: Bound on every wait for a worker process (ERR-007).
+        worker_timeout_s: Bound on every wait for a worker process once it started
+            (ERR-007).
+        worker_start_timeout_s: Bound on the wait for a worker process to start: spawn the
+            interpreter, import the connector's package (vLLM alone takes seconds of CPU
+            per process), build the worker role and register the caches (ERR-007). Longer
+            than ``worker_timeout_s``, so that a busy machine starting several ranks is not
+            mistaken for a connector that hangs.
         hook_budget_s: Longest a scheduler hook may take before the harness calls it
             blocking (SCH-025), and a worker's output hooks (``build_connector_output``:
             ``get_finished`` and the others) before they count as waiting for a transfer
@@ -162,6 +168,7 @@ class HarnessConfig:
     cut_async_matches: bool = False
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
+    worker_start_timeout_s: float = 240.0
     hook_budget_s: float = 2.0
     graph_mode: GraphMode = GraphMode.NONE
     capture_sizes: tuple[int, ...] = attrs.field(default=(8, 32), converter=_sizes)
