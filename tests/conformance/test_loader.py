@@ -158,7 +158,7 @@ def test_capability_names_and_has_capability() -> None:
         "async_loads", "delayed_free", "accepts_split_kv", "heterogeneous_tp",
         "custom_aggregator", "handles_preemptions", "needs_token_rows", "fault_injection",
         "layer_hooks", "capturable_hooks",
-        "eager_hooks", "reports_failures", "multiple_kv_cache_groups",
+        "eager_hooks", "reports_failures", "multiple_kv_cache_groups", "sleep_mode",
     }
     plain = Capabilities()
     assert not any(has_capability(plain, n) for n in names if n != "accepts_split_kv")

@@ -201,6 +201,7 @@ def test_describe_defaults() -> None:
         "needs_token_rows": False,
         "fault_injection": False,
         "block_sizes": [],
+        "sleep_mode": False,
     }
 
 
