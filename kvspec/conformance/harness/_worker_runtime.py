@@ -223,19 +223,31 @@ class WorkerRuntime:
                 g.reset()
         self.graphs.clear()
         self.buffer.fill_(RETIRED_POISON)
-        self._retired.append(self.buffer)
+        if not self._in_place:
+            self._retired.append(self.buffer)
         self.asleep = True
+
+    @property
+    def _in_place(self) -> bool:
+        """Whether this worker's wake keeps the KV tensors' addresses. An engine adapter
+        whose engine maps new memory under the same virtual addresses at wake (vLLM 0.33's
+        cumem allocator: its ``restore_kv_caches`` takes no tensors) sets
+        ``engine_restores_in_place = True`` on its worker role; the harness then gives it
+        what that engine gives: the same tensors, their contents lost (poisoned), instead
+        of tensors at new addresses that its connector cannot be told about."""
+        return getattr(self.connector, "engine_restores_in_place", False) is True
 
     def wake(self) -> None:
         """Wake (WRK-019): a new KV buffer at new addresses (the retired one is still
-        alive, so the allocator cannot hand the same range back), filled with
-        ``ALLOC_POISON``; the connector restores with the new views and the same layout
+        alive, so the allocator cannot hand the same range back), or the same one for an
+        engine that restores in place (``_in_place``), filled with ``ALLOC_POISON``; the connector restores with the new views and the same layout
         (twice: idempotent); configured graph sizes are captured again."""
         if not self.asleep:
             raise HarnessError("harness bug: wake() on a worker that is awake")
-        self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype,
-                                  device=self.device)
-        self.buffer.fill_(ALLOC_POISON)
+        if not self._in_place:
+            self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype,
+                                      device=self.device)
+        self.buffer.fill_(ALLOC_POISON)  # new memory (in place: the same range, contents lost)
         view = self.layout.view(self.buffer)
         self.layers = [view[i] for i in range(self.config.num_layers)]
         self._alloc_value.clear()

@@ -573,6 +573,12 @@ def _unwrap_handshake(hs: HandshakeMetadata | None) -> Any:
 
 
 class _VllmWorker(WorkerConnector):
+    engine_restores_in_place = True
+    """vLLM 0.33's wake maps new memory under the KV tensors' own virtual addresses (cumem)
+    and its ``restore_kv_caches`` takes no tensors: the harness keeps the tensors and loses
+    their contents, as vLLM does, instead of moving them where a vLLM connector that
+    re-registers the addresses it recorded (NixlConnector) could never follow."""
+
     def __init__(self, factory: VllmConnectorFactory, config: EngineConfigView, rank: int) -> None:
         if not 0 <= rank < config.world_size:
             raise InvalidArgumentError(f"rank {rank} is outside world size {config.world_size}")
@@ -624,10 +630,9 @@ class _VllmWorker(WorkerConnector):
                           layout: KVCacheLayout) -> None:
         """The harness's wake: vLLM 0.33's worker calls the connector's own
         ``restore_kv_caches`` (no arguments: vLLM maps new memory under the tensors it
-        registered). The harness re-allocates the tensors at new addresses, so the
-        connector is told through the only channel vLLM has: the tensors it registered
-        are swapped for views of the new memory first (``set_``), as cumem's remap does
-        for the same virtual range."""
+        registered). The harness restores in place for this wrapper
+        (``engine_restores_in_place``); should the tensors still differ, the ones the
+        connector registered are swapped for views of the new memory first (``set_``)."""
         conn = self._vllm("restore_kv_caches")
         if layout != self._layout or list(kv_caches) != list(self._kv):
             raise InvalidArgumentError("restore_kv_caches got other layers or another layout "
