@@ -57,6 +57,7 @@ from .shared_storage import (
 from .storage import KVBlocks, block_path, stored_events, write_block_file, write_marker
 
 __all__ = [
+    "LateScrubConnector",
     "IgnoresResetConnector",
     "AssumesNhdConnector",
     "AssertsCapacityConnector",
@@ -1182,6 +1183,35 @@ class _StaleTensorsWorker(SharedStorageWorker):
         return None
 
 
+class _LateScrubWorker(SharedStorageWorker):
+    """Scrubs (zeroes) its registered KV tensors at ``unregister_kv_caches`` on a thread of
+    its own, and returns without waiting for it (WRK-018)."""
+
+    def unregister_kv_caches(self) -> None:
+        kv = self._kv
+        super().unregister_kv_caches()
+        if kv is None:
+            return
+
+        def scrub() -> None:
+            time.sleep(0.01)  # the slip: the engine frees the memory meanwhile
+            for tensor in kv.tensors:
+                tensor.zero_()
+
+        threading.Thread(target=scrub, name="broken-late-scrub", daemon=True).start()
+
+
+class LateScrubConnector(BrokenConnector):
+    """Breaks WRK-018: ``unregister_kv_caches`` hands the scrubbing of the KV tensors (so
+    that the next tenant finds no KV of this one) to a thread and returns at once; the
+    thread writes memory the engine has freed (on a GPU: memory cumem unmapped, or handed
+    to the weights)."""
+
+    violates: ClassVar[str] = "WRK-018"
+    selection: ClassVar[str] = "TestSleep and mid_serving and 1"
+    worker_class = _LateScrubWorker
+
+
 class StaleTensorsConnector(BrokenConnector):
     """Breaks WRK-019: restore_kv_caches ignores the tensors it is given, so a hit after
     the wake is copied into the KV tensors the sleep retired (on a GPU: freed memory) and
@@ -1229,6 +1259,7 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         ChunkedAdvertConnector,
         ForwardOnlySavesConnector,
         StaleTensorsConnector,
+        LateScrubConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

@@ -86,12 +86,17 @@ NULL_POISON = POISON + 6
 """Written into the null block of a hybrid model (KVG-004): finding it in loaded KV proves a
 store that read a skipped position; a null block that no longer holds it was written."""
 PREEMPTED_POISON = POISON + 4
+"""Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
+loading it back proves a transfer that still read them (WRK-012)."""
 RETIRED_POISON = POISON - 5
 """Written into the KV tensors an engine's sleep retired, right after
 ``unregister_kv_caches`` returned; finding it in loaded KV, or anything else in the retired
 tensors, proves a connector that kept using them after the sleep (WRK-018, WRK-019)."""
-"""Written into the blocks a preemption freed, right after ``handle_preemptions`` returned;
-loading it back proves a transfer that still read them (WRK-012)."""
+
+_ASLEEP_S = 0.1
+"""How long a worker of the harness stays asleep between ``unregister_kv_caches`` and the
+wake, at the least: what a connector left running after it returned writes meanwhile
+(WRK-018)."""
 
 
 def open_device(device: str) -> None:
@@ -177,6 +182,8 @@ class WorkerRuntime:
         self._freed: dict[int, int] = {}  # blocks holding FREED_POISON -> the step freed
         self._alloc_blocks: dict[int, set[int]] = {}
         self._retired: list[torch.Tensor] = []  # KV buffers of earlier sleeps, poisoned
+        self._asleep_written: list[dict[str, str]] = []  # WRK-018, for the next step
+        self.sleeps_seen = 0
         self.asleep = False
         self._closed = False
         self._forward(ForwardKind.PROFILE, self.t_max)  # before registration: no hook (DRY-002)
@@ -226,6 +233,10 @@ class WorkerRuntime:
         if not self._in_place:
             self._retired.append(self.buffer)
         self.asleep = True
+        # The engine frees and re-maps memory meanwhile (vLLM: seconds); a copy or thread
+        # the connector left running after unregister_kv_caches returned writes now, and
+        # wake() finds it (WRK-018).
+        time.sleep(_ASLEEP_S)
 
     @property
     def _in_place(self) -> bool:
@@ -244,6 +255,19 @@ class WorkerRuntime:
         (twice: idempotent); configured graph sizes are captured again."""
         if not self.asleep:
             raise HarnessError("harness bug: wake() on a worker that is awake")
+        asleep = self._retired[-1:] if not self._in_place else [self.buffer]
+        for old in asleep:
+            bad = old != RETIRED_POISON
+            if bool(bad.any()):
+                where = int(bad.nonzero()[0, 0])
+                old.fill_(RETIRED_POISON)  # reported once, with the first step after the wake
+                self._asleep_written.append({
+                    "clause": "WRK-018", "observed": f"rank {self.rank}: while the engine "
+                    f"slept (sleep {self.sleeps_seen + 1}), after unregister_kv_caches "
+                    f"returned, the KV tensors were written (first changed element {where})",
+                    "expected": "unregister_kv_caches returns only once nothing the connector "
+                    "started can read or write the registered tensors"})
+        self.sleeps_seen += 1
         if not self._in_place:
             self.buffer = torch.empty(self.layout.span_elems, dtype=self.layout.dtype,
                                       device=self.device)
@@ -326,7 +350,8 @@ class WorkerRuntime:
         out = self.connector.build_connector_output(frozenset(msg["finished"]))
         took = time.monotonic() - start
         self.connector.clear_connector_metadata()
-        violations = (written + self._retired_written(msg["step"]) + lost
+        violations, self._asleep_written = self._asleep_written, []
+        violations += (written + self._retired_written(msg["step"]) + lost
                       + self._check_reads(reqs, reads, out.invalid_block_ids, kind))
         violations += self._null_block_written(msg["step"])
         if took > self.config.hook_budget_s:
