@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from broken_hybrid import BROKEN_HYBRID
+from broken_nixl import BROKEN_NIXL
 
 from kvspec.conformance.connectors.broken import BROKEN_CONNECTORS
 from kvspec.conformance.connectors.broken_graphs import BROKEN_GRAPH_CONNECTORS
@@ -219,19 +220,23 @@ def test_a_connector_without_a_preemption_fence_is_caught_without_the_fault_seam
     assert {cid for cid, row in data["clauses"].items() if row["fail"]} == failed
 
 
-@pytest.mark.parametrize(("factory", "clause"), BROKEN_HYBRID,
-                         ids=[c.__name__ for c, _ in BROKEN_HYBRID])
-def test_broken_hybrid_connector_is_caught_with_its_clause(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, factory: type, clause: str
+@pytest.mark.parametrize(("module", "factory", "clause"),
+                         [("broken_hybrid", f, c) for f, c in BROKEN_HYBRID]
+                         + [("broken_nixl", f, c) for f, c in BROKEN_NIXL],
+                         ids=[c.__name__ for c, _ in (*BROKEN_HYBRID, *BROKEN_NIXL)])
+def test_broken_backend_variant_is_caught_with_its_clause(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, module: str, factory: type,
+    clause: str,
 ) -> None:
-    """The offload backend with one hybrid-model bug each (tests/conformance/
-    broken_hybrid.py), through the real plugin, caught by the hybrid suite test."""
+    """The reference backends with one bug each (tests/conformance/broken_hybrid.py: the
+    offload backend on hybrid models; broken_nixl.py: the NIXL backend after a sleep),
+    through the real plugin, caught by the suite test each names."""
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (here, os.environ.get(
         "PYTHONPATH")))))
     report = pytester.path / "report.json"
     result = pytester.runpytest_subprocess(
-        f"--kvspec-conformance=broken_hybrid:{factory.__qualname__}",
+        f"--kvspec-conformance={module}:{factory.__qualname__}",
         f"--kvspec-report={report}", "-p", "no:cacheprovider", "-x", "-k", factory.selection,
     )
     assert result.ret == 1, result.stdout.str()[-3000:]
