@@ -215,7 +215,8 @@ FINDINGS: tuple[Finding, ...] = (
         "request and scheduling attempt, and a larger answer only loads more.",
     ),
     Finding(
-        "MS-3", "MooncakeStoreConnector", None, r"^AssertionError",
+        "MS-3", "MooncakeStoreConnector", "LAY-003",
+        r"register_kv_caches raised AssertionError: +on tensors with room for \d+ blocks",
         "kvspec stricter",
         "It refuses KV tensors that hold more blocks than the budget",
         "Its worker groups each layer's cache with vLLM's `group_kernel_blocks`, which "
@@ -410,5 +411,25 @@ CHANGES: tuple[tuple[str, str], ...] = (
      "process runs first and which stands in for CUDA events, streams and pinned memory; "
      "MooncakeStoreConnector's torch.cuda.Event() crashed in kvspec only. Now: every process "
      "of the wrapper imports the platform's worker module."),
+    ("SCH-032 (test_cache_reset)",
+     "Was: the reset test stored a `4*bs+1`-token prompt, a length ExampleConnector never "
+     "hits, so it skipped there and its reset that changes nothing went unseen. Now: a "
+     "`3*bs+2`-token prompt is stored and hit first, and EX-7 is caught."),
+    ("WRK-019: a vLLM connector's wake (issue 48)",
+     "Was: the harness woke every connector's sleep with KV tensors at new addresses. vLLM "
+     "0.33's cumem allocator maps new memory under the same virtual addresses and its "
+     "`restore_kv_caches` takes no tensors; NixlConnector re-registers the addresses it "
+     "recorded, and on the 0.33 lane was blamed for WRK-019. Now: the wrapper's sleep wakes "
+     "in place, contents lost, as vLLM's does, and NixlConnector passes the sleep tests."),
+    ("ERR-007: a worker process's start (issue 48)",
+     "Was: every wait for a worker process, its start included, had 60 s; ranks of vLLM "
+     "connectors (each importing vLLM) starting on a loaded 2-core machine took longer, and "
+     "NixlConnector's TP 2 and 4 tests failed ERR-007 in some runs. Now: a start has its "
+     "own bound (`worker_start_timeout_s`, 240 s); each later answer keeps 60 s."),
+    ("The wrapper's TP process group (issue 48)",
+     "Was: its name, which is also vLLM's CPU shared-memory group name, was the engine id "
+     "and the harness's pid: a segment left by an earlier test's dead ranks made a later TP "
+     "test fail with errno 17 (reported as kvspec's error). Now: the name is scoped to the "
+     "test's scratch directory."),
 )
 """What kvspec changed because of what certifying vLLM's connectors showed."""
