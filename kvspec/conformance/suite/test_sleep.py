@@ -4,9 +4,11 @@ For connectors that declare ``sleep_mode``. The harness drains the engine the wa
 does before a sleep (requests served or aborted, every delayed free and store in flight
 reported), calls ``unregister_kv_caches`` on every rank, retires the KV tensors (poisoned,
 never used again) and, at wake, re-allocates them at new addresses and calls
-``restore_kv_caches``; then it collects the handshake metadata again. Every KV byte the
-model reads after the wake is checked, as always; a write into the retired tensors or a
-load of their poison is WRK-019.
+``restore_kv_caches``; then it collects the handshake metadata again. (A vLLM connector is
+woken in place instead, as vLLM's cumem allocator does: the same addresses, contents lost.)
+Every KV byte the model reads after the wake is checked, as always; a write into the
+tensors while the engine sleeps is WRK-018, a later write into the retired tensors or a
+load of their poison WRK-019.
 """
 
 from __future__ import annotations
