@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,8 +173,9 @@ def _run_hicache(args: argparse.Namespace, specs: Sequence[str]) -> int:
 
     targets = [spec.removeprefix("hicache:") for spec in specs]
     for target in targets:
-        try:
-            check_available(parse_target(target))
+        try:  # the suite's directories are under pytest's, in the temporary directory
+            check_available(parse_target(target), _parse_extra(args.extra, args.extra_file),
+                            Path(tempfile.gettempdir()))
         except (InvalidArgumentError, ImportError) as e:  # ImportError: BackendUnavailableError
             print(f"kvspec conform: {e}", file=sys.stderr)
             return 2
@@ -203,7 +205,6 @@ def _run_one_backend(args: argparse.Namespace, target: str, *, quiet: bool) -> t
     """One pytest session of the suite on ``target``: its ``BackendRun`` and exit code (2,
     and a run that did not happen, for ``nixl`` without the nixl package)."""
     import importlib.util
-    import tempfile
     import time
 
     import pytest

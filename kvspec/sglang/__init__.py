@@ -52,7 +52,9 @@ def open_backend(target: str | HiCacheTarget, config: HiCacheConfig, storage_dir
             environment).
         InvalidArgumentError: ``target`` or ``config`` is malformed.
         BackendUnavailableError: the backend needs a package that is not installed
-            (``nixl`` for SGLang's ``nixl`` backend).
+            (``nixl`` for SGLang's ``nixl`` backend), or SGLang's nixl L3 cleaner would
+            delete its pages as they are written (``storage_dir``'s filesystem at or above
+            the cleaner's high watermark, 80 % by default).
     """
     from ._loader import StorageRig
 

@@ -20,7 +20,7 @@ import copy
 import importlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from ..protocols.errors import ContractViolation, InvalidArgumentError
 from ._config import BackendUnavailableError, HiCacheConfig, HiCacheTarget
 
 __all__ = ["NIXL_STORAGE_DIR_ENV", "StorageRig", "build_host_pool", "check_available", "create_backend",
-           "make_storage_config"]
+           "filesystem_used_pct", "make_storage_config"]
 
 STORAGE_BATCH_SIZE = 128
 """Pages per backend call, as SGLang's controller batches them."""
@@ -45,12 +45,23 @@ _ENV_LOCK = threading.Lock()
 """Held while a backend that reads its directory from the environment is built."""
 
 
-def check_available(target: HiCacheTarget) -> None:
-    """Raise unless the packages ``target`` needs beyond SGLang import here.
+def check_available(target: HiCacheTarget, extra_config: Mapping[str, Any] | None = None,
+                    storage_dir: Path | None = None) -> None:
+    """Raise unless ``target`` can run here: the packages it needs beyond SGLang import and,
+    for SGLang's ``nixl`` backend with ``storage_dir``, its L3 cleaner would not empty that
+    directory as the suite writes it.
+
+    The cleaner (on by default in SGLang 0.5.23) is an eviction policy keyed on the whole
+    filesystem's usage, not the cache's: from ``l3_cleaner_high_watermark`` (80 %) on, it
+    deletes the backend's files every second until usage is under the low watermark, or
+    none is left. On a filesystem already that full, every page the suite stores vanishes
+    before it is read back; that is the machine's state, not a broken clause.
 
     Raises:
         BackendUnavailableError: ``target`` is SGLang's ``nixl`` backend and ``nixl`` cannot
-            be imported (``scripts/sglang_env.sh`` installs ``nixl==1.5.1``).
+            be imported (``scripts/sglang_env.sh`` installs ``nixl==1.5.1``), or its cleaner
+            is on and ``storage_dir``'s filesystem is at or above its high watermark.
+        InvalidArgumentError: an ``l3_cleaner_*`` key SGLang refuses.
     """
     if target.name != "nixl":
         return
@@ -60,6 +71,33 @@ def check_available(target: HiCacheTarget) -> None:
         raise BackendUnavailableError(
             "SGLang's nixl HiCache backend needs the nixl package, which is not installed in "
             f"this environment ({e}); scripts/sglang_env.sh installs nixl==1.5.1") from None
+    if storage_dir is None:
+        return
+    from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlBackendConfig
+
+    try:
+        cleaner = NixlBackendConfig({**dict(target.defaults), **(extra_config or {})}
+                                    ).get_l3_cleaner_config()
+    except ValueError as e:  # SGLang's own check of the l3_cleaner_* keys
+        raise InvalidArgumentError(f"SGLang's nixl backend refuses its extra config: {e}") from None
+    used = filesystem_used_pct(storage_dir)
+    if cleaner["enabled"] and used >= cleaner["high_watermark"]:
+        raise BackendUnavailableError(
+            f"the filesystem of {storage_dir} is {used:.1f}% full, at or above the "
+            f"{cleaner['high_watermark']:g}% high watermark of SGLang's nixl L3 cleaner, which "
+            "then deletes the backend's files as they are written: no stored page could be read "
+            "back. Free space there, give the suite a directory on another filesystem (TMPDIR), "
+            "or run with the cleaner off (--extra l3_cleaner_enabled=false)")
+
+
+def filesystem_used_pct(path: Path) -> float:
+    """How full ``path``'s filesystem is, in percent, as SGLang's L3 cleaner counts it
+    (blocks not available to an unprivileged user); ``path`` or its nearest existing parent."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    stat = os.statvfs(path)
+    total = stat.f_blocks * stat.f_frsize
+    return 0.0 if total == 0 else 100.0 * (total - stat.f_bavail * stat.f_frsize) / total
 
 
 def build_host_pool(config: HiCacheConfig) -> Any:
@@ -105,7 +143,8 @@ def create_backend(target: HiCacheTarget, config: HiCacheConfig, host_pool: Any,
     Raises:
         InvalidArgumentError: SGLang's file or nixl directory variable is set (it would
             send every rank and every test to one directory).
-        BackendUnavailableError: ``target`` is ``nixl`` and ``nixl`` is not installed.
+        BackendUnavailableError: ``target`` is ``nixl`` and ``nixl`` is not installed, or its
+            L3 cleaner would delete what the suite stores (``check_available``).
     """
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -113,7 +152,7 @@ def create_backend(target: HiCacheTarget, config: HiCacheConfig, host_pool: Any,
         if os.environ.get(name):
             raise InvalidArgumentError(f"unset {name}: it overrides the storage directory "
                                        "kvspec gives each backend")
-    check_available(target)
+    check_available(target, config.extra_config, storage_dir)
     storage_config = make_storage_config(config, target, storage_dir)
     if target.name == "nixl":
         if "," in str(storage_dir):  # the variable is a comma-separated list of directories

@@ -75,13 +75,20 @@ def _needs_nixl() -> Iterator[None]:
     yield
 
 
+QUIET_CLEANER = {"l3_cleaner_high_watermark": 100.0, "l3_cleaner_low_watermark": 99.0}
+"""SGLang's L3 cleaner runs (its thread, its ticks) but deletes nothing short of a full disk:
+at its default 80 % it empties the directory on any machine whose filesystem is that full
+(CI's is), and the suite refuses to run there (``test_a_full_disk_is_refused``)."""
+
+
 class TestNixlBackend(HiCacheStorageSuite):
     """The STO suite on SGLang's ``nixl`` backend as ``kvspec conform hicache:nixl`` loads it:
-    the POSIX plugin, every other setting at SGLang's default."""
+    the POSIX plugin, every other setting at SGLang's default but the cleaner's watermark."""
 
     concurrent_s: ClassVar[float] = 3.0  # the CLI run certifies it for 10 s
 
     target = "nixl"
+    extra_config: ClassVar[dict[str, Any]] = dict(QUIET_CLEANER)
 
     @pytest.mark.xfail(reason=BATCH_WIDE_MISS, strict=True, raises=ContractViolation)
     @pytest.mark.kvspec_clause("STO-003")
@@ -154,7 +161,7 @@ class TestNixlBackendZeroCopy(TestNixlBackend):
     """The same with O_DIRECT off (``use_direct_io: false``): ``page_first_direct`` then goes
     through the zero-copy path, one ``_k`` and one ``_v`` file per page."""
 
-    extra_config = {"use_direct_io": False}
+    extra_config: ClassVar[dict[str, Any]] = {**QUIET_CLEANER, "use_direct_io": False}
 
     def test_the_posix_plugin_in_the_given_directory(self, make: Any, tmp_path: Path) -> None:
         """``page_first_direct`` is zero copy here: two files per page."""
@@ -165,6 +172,35 @@ class TestNixlBackendZeroCopy(TestNixlBackend):
         assert rig.store(["p0", "p1"], src) == [True, True]
         names = sorted(p.name for p in (tmp_path / "store").rglob("*") if p.is_file())
         assert len(names) == 4 and {n[-2:] for n in names} == {"_k", "_v"}
+
+
+FIRES_NOW = ["--extra", "l3_cleaner_high_watermark=0.01", "--extra", "l3_cleaner_low_watermark=0"]
+"""A cleaner watermark every non-empty filesystem is above: the state of a disk over 80 %."""
+
+
+@pytest.mark.skipif(not have_sglang(), reason="needs SGLang: run under the environment "
+                    "scripts/sglang_env.sh builds")
+def test_a_full_disk_is_refused(tmp_path: Path) -> None:
+    """Where SGLang's L3 cleaner would delete each page as it is written (the filesystem at
+    or above its high watermark), no rig is built and ``kvspec conform hicache:nixl`` exits
+    2 with one line saying why and what to do, instead of failing STO-010 on the backend."""
+    from kvspec.sglang import HiCacheConfig, open_backend
+    from kvspec.sglang._config import BackendUnavailableError
+
+    config = HiCacheConfig(extra_config={"l3_cleaner_high_watermark": 0.01,
+                                         "l3_cleaner_low_watermark": 0.0})
+    with pytest.raises(BackendUnavailableError, match=r"% full, at or above the 0.01% high watermark"):
+        open_backend("nixl", config, tmp_path / "store")
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*"))
+    done = subprocess.run([sys.executable, "-m", "kvspec", "conform", "hicache:nixl", *FIRES_NOW],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "l3_cleaner_enabled=false" in done.stderr
+    assert "Traceback" not in done.stderr and "passed" not in done.stdout
+    off = subprocess.run([sys.executable, "-m", "kvspec", "conform", "hicache:nixl", *FIRES_NOW,
+                          "--extra", "l3_cleaner_enabled=maybe"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 2 and "l3_cleaner_enabled must be a boolean" in off.stderr, off.stderr
 
 
 @pytest.mark.skipif(not have_sglang(), reason="needs SGLang: run under the environment "
