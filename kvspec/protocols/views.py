@@ -605,6 +605,12 @@ class SchedulerOutputView:
         finished_req_ids: Requests that finished or were aborted since the previous step.
         preempted_req_ids: Requests preempted in this step; their blocks will be reused
             (SCH-022, WRK-012).
+        spec_decode_tokens: Per request id, how many of its scheduled tokens are draft
+            tokens (proposals of a drafter, vLLM's ``scheduled_spec_decode_tokens``): the
+            last ones of ``num_scheduled_tokens``. The engine counts them computed now and
+            subtracts the rejected ones when the step's output arrives, so a block is full
+            of accepted tokens only once a later step's ``num_computed_tokens`` covers it
+            (SPD-005). Empty without speculative decoding.
     """
 
     step_id: int = attrs.field(validator=_v_nonneg)
@@ -615,6 +621,7 @@ class SchedulerOutputView:
     num_scheduled_tokens: Mapping[str, int] = attrs.field(factory=dict, converter=_token_counts)
     finished_req_ids: frozenset[str] = attrs.field(factory=frozenset, converter=_id_set)
     preempted_req_ids: frozenset[str] = attrs.field(factory=frozenset, converter=_id_set)
+    spec_decode_tokens: Mapping[str, int] = attrs.field(factory=dict, converter=_token_counts)
 
     def __attrs_post_init__(self) -> None:
         # Each check runs at C speed over the whole step; the loops only find the culprit.
@@ -648,6 +655,13 @@ class SchedulerOutputView:
         if counts and not (set(map(type, counts.values())) <= _INT and min(counts.values()) >= 1):
             for rid, n in counts.items():
                 _positive(f"num_scheduled_tokens[{rid!r}]", n)
+        for rid, k in self.spec_decode_tokens.items():
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < counts.get(rid, 0):
+                raise InvalidArgumentError(
+                    f"step {self.step_id}: spec_decode_tokens[{rid!r}] is {k!r}; expected an int "
+                    f"in [1, {counts.get(rid, 0)}) for a request scheduled "
+                    f"{counts.get(rid, 0)} tokens (one token, then its draft tokens)",
+                    clause="ERR-002")
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -722,6 +736,14 @@ class EngineConfigView:
             full-attention group of every layer. A connector reads a group's kind, window
             and layers here, skips its null positions (KVG-004) and moves, per group, the
             blocks ``KVCacheGroup.needed_blocks`` names (KVG-003).
+        draft_layer_names: The registered layers that belong to a drafter (speculative
+            decoding: an EAGLE head, an MTP module, a draft model), empty without one. They
+            are KV layers of the group they are registered in, the target's full-attention
+            group in vLLM (SPD-003), and their per-layer hooks run once per draft pass
+            (SPD-002); ``num_layers`` counts them.
+        num_speculative_tokens: Draft tokens proposed per decoding request and step (0:
+            no speculative decoding). Above 0 the engine runs the speculative step
+            (SPD-001): the output hooks before the draft passes and ``wait_for_save``.
     """
 
     engine_id: str = attrs.field(validator=_v_req_id)
@@ -735,6 +757,8 @@ class EngineConfigView:
     async_scheduling: bool = attrs.field(default=False, validator=_is(bool))
     kv_cache_groups: tuple[KVCacheGroup, ...] = attrs.field(
         default=(), converter=_groups_tuple, validator=_v_groups)
+    draft_layer_names: tuple[str, ...] = attrs.field(default=(), converter=_layer_names)
+    num_speculative_tokens: int = attrs.field(default=0, validator=_v_nonneg)
 
     @property
     def num_groups(self) -> int:

@@ -79,7 +79,10 @@ class WorkerConnector(Protocol):
         """Block until no save still reads a block the next step may overwrite (WRK-007).
 
         When: after the last layer, before ``clear_connector_metadata``, outside any captured
-        region (GRA-007). Any wait is bounded (WRK-014).
+        region (GRA-007). Any wait is bounded (WRK-014). In a speculative step (a drafter,
+        SPD-001) it comes after the output hooks and the draft passes: a save it completes
+        is reported in a later step's output, never in this step's and never dropped
+        (SPD-004).
         """
 
     # -- optional, with defaults ------------------------------------------------------------
@@ -90,7 +93,8 @@ class WorkerConnector(Protocol):
         When: for connectors with per-layer hooks, once per layer per forward, in layer
         order, before the layer's attention. Under FULL graphs a capturable connector's call
         is captured once and replayed (GRA-004). Never called for ``NO_LAYER_HOOKS``
-        connectors (DRY-003).
+        connectors (DRY-003). A draft layer (``EngineConfigView.draft_layer_names``) is
+        called once per draft pass, after the step's output hooks (SPD-001, SPD-002).
         Default: does nothing.
         """
         return None
@@ -102,7 +106,11 @@ class WorkerConnector(Protocol):
 
         When: for connectors with per-layer hooks, once per layer per forward, in layer
         order, after the layer's KV for the scheduled tokens is written. ``kv_layer`` is the
-        layer's registered tensor. Same graph rules as ``wait_for_layer_load``.
+        layer's registered tensor. Same graph rules as ``wait_for_layer_load``. A draft
+        layer is called once per draft pass of a speculative step, after the output hooks:
+        what is saved for it is its content after the last pass, once (SPD-002), and the
+        draft layers' KV belongs to the prefix like the target's (SPD-003). Only blocks whose
+        every token was accepted are stored (SPD-005).
         Default: does nothing.
         """
         return None
@@ -122,7 +130,10 @@ class WorkerConnector(Protocol):
         """Return ``(finished_sending, finished_recving)`` request ids since the last call.
 
         When: once per executed step after the forward, or in its place (WRK-008);
-        ``finished_req_ids`` are the requests that finished in this step.
+        ``finished_req_ids`` are the requests that finished in this step. In a speculative
+        step it runs after the target layers and before the draft passes and
+        ``wait_for_save`` (SPD-001): it must not report a save that has not completed yet
+        (SPD-004).
         Must: report each request at most once per direction (WRK-009), and only requests
         it was told about (WRK-010); a failed receive is reported too (WRK-011).
         Default: nothing finished (right for connectors without async transfers).
@@ -175,7 +186,9 @@ class WorkerConnector(Protocol):
     def build_connector_output(self, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
         """Gather this step's output: the engine's single call for the output hooks.
 
-        When: once per executed step (WRK-008); never for a dummy run (DRY-008).
+        When: once per executed step (WRK-008); never for a dummy run (DRY-008). In a
+        speculative step: before the draft passes and ``wait_for_save`` (SPD-001); the
+        output must be built afresh, never an object cached before drafting (SPD-004).
         Default: calls ``get_finished``, ``get_failed_recving``,
         ``get_block_ids_with_load_errors``, ``get_kv_connector_stats``,
         ``get_kv_connector_kv_cache_events``, ``build_connector_worker_meta`` and

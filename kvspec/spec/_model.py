@@ -9,7 +9,7 @@ import attrs
 
 __all__ = ["Area", "Clause", "Level"]
 
-_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|DRY|GRA|HSK|STO|ERR)-(\d{3})$")
+_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|SPD|DRY|GRA|HSK|STO|ERR)-(\d{3})$")
 
 
 class Level(enum.Enum):
@@ -29,6 +29,7 @@ class Area(enum.Enum):
     EVT = "Events and connector output"
     LAY = "KV-cache layout"
     KVG = "KV-cache groups"
+    SPD = "Speculative decoding"
     DRY = "Dummy runs"
     GRA = "Graph capture and replay"
     HSK = "Handshake"

@@ -24,8 +24,9 @@ BEGIN = "<!-- clauses:{area} -->"
 END = "<!-- /clauses -->"
 
 
-_UPSTREAM = {"vLLM": "vllm-project/vllm", "kvcached": "ovg-project/kvcached"}
-_REF = re.compile(r"\b(?:(?P<repo>vLLM|kvcached) )?(?P<kind>PR|issue) (?P<num>\d+)")
+_UPSTREAM = {"vLLM": "vllm-project/vllm", "kvcached": "ovg-project/kvcached",
+             "vllm-ascend": "vllm-project/vllm-ascend"}
+_REF = re.compile(r"\b(?:(?P<repo>vllm-ascend|vLLM|kvcached) )?(?P<kind>PR|issue) (?P<num>\d+)")
 
 
 def link_source(tag: str) -> str:

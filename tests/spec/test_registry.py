@@ -15,7 +15,7 @@ from kvspec.spec._render import render_area, sync_docs
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "docs" / "spec"
 HEADING = re.compile(r"^### ([A-Z]{3}-\d{3}): (.+?) \{ #([a-z]{3}-\d{3}) \}$", re.M)
-CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|DRY|GRA|HSK|STO|ERR)-(\d{3})\b")
+CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|SPD|DRY|GRA|HSK|STO|ERR)-(\d{3})\b")
 
 
 def _doc_clauses() -> dict[str, tuple[Path, str]]:
