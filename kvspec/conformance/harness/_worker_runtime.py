@@ -51,8 +51,8 @@ from ._toymodel import POISON, ToyModel, prefix_hashes
 from .config import HarnessConfig
 from .._attribution import hide_unless_harness_bug
 
-__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "RETIRED_POISON", "WINDOW_POISON",
-           "WorkerRuntime", "open_device"]
+__all__ = ["ALLOC_POISON", "FREED_POISON", "PREEMPTED_POISON", "REPORTED_POISON",
+           "RETIRED_POISON", "WINDOW_POISON", "WorkerRuntime", "open_device"]
 __tracebackhide__ = hide_unless_harness_bug  # authors see their frames, not these
 
 FREED_POISON = POISON
@@ -92,6 +92,24 @@ RETIRED_POISON = POISON - 5
 """Written into the KV tensors an engine's sleep retired, right after
 ``unregister_kv_caches`` returned; finding it in loaded KV, or anything else in the retired
 tensors, proves a connector that kept using them after the sleep (WRK-018, WRK-019)."""
+
+REPORTED_POISON = POISON - 3
+"""Written, in a speculative step, into the blocks of a delayed free that the step's output
+reported in ``finished_sending``, from right after the output was built until
+``wait_for_save`` returned (the engine may act on an output as soon as it is built,
+SPD-004); then the blocks get their bytes back. Loading it proves a save that still read
+the blocks after the output reported it finished."""
+
+_PROVISIONAL = (0x5DEECE66D, 0x2545F4914F6CDD1D, 0x9E3779B97F4A7C15, 0x27D4EB2F165667C5)
+"""Mixed into the prefix hashes of the draft KV an earlier draft pass writes: only the last
+pass of a step writes the draft layers' final KV (SPD-002)."""
+
+
+def provisional_hash(h: int, draft_pass: int) -> int:
+    """The hash whose KV draft pass ``draft_pass`` (not the last) writes for prefix hash
+    ``h``."""
+    return (h ^ _PROVISIONAL[draft_pass % len(_PROVISIONAL)]) & ((1 << 61) - 1)
+
 
 _ASLEEP_S = 0.1
 """How long a worker of the harness stays asleep between ``unregister_kv_caches`` and the
@@ -133,10 +151,17 @@ class WorkerRuntime:
         self.buffer.fill_(ALLOC_POISON)
         view = self.layout.view(self.buffer)
         self.layer_names = config.layer_names
-        self.layers = [view[i] for i in range(config.num_layers)]
+        self.layers = [view[i] for i in range(config.total_layers)]
         hpr = config.heads_per_rank
         self.heads = range(rank * hpr, (rank + 1) * hpr)
-        self.model = ToyModel(config.num_layers, config.num_heads, config.head_size, config.head_size)
+        self.model = ToyModel(config.total_layers, config.num_heads, config.head_size,
+                              config.head_size)
+        self.target = range(config.num_layers)  # the target's layers, then the drafter's
+        self.draft = range(config.num_layers, config.total_layers)
+        # position -> prefix hashes of rejected draft tokens written there (SPD-005)
+        self._rejected: dict[int, set[int]] = {}
+        self._draft_vals: list[torch.Tensor] = []  # per draft pass, the draft layers' values
+        self._last_out: KVConnectorOutput | None = None
         self.gate = ThreadGate() if config.hold_threads else None
         if self.gate is not None:  # before the connector starts threads (< 3.12: only those)
             self.gate.install()
@@ -155,17 +180,17 @@ class WorkerRuntime:
         self.r_max = config.num_blocks * config.block_size
         # one slot and read table per KV-cache group (a hybrid model's layers index their
         # own group's blocks, HarnessConfig.sliding_window)
-        self._group = [config.group_of_layer(i) for i in range(config.num_layers)]
+        self._group = [config.group_of_layer(i) for i in range(config.total_layers)]
         groups = max(self._group) + 1
         self.slot_block = torch.full((groups, self.t_max), pad, dtype=torch.int64, device=dev)
         self.slot_off = torch.zeros(self.t_max, dtype=torch.int64, device=dev)
-        self.vals = torch.zeros(config.num_layers, self.t_max, hpr, chans, dtype=self.layout.dtype,
+        self.vals = torch.zeros(config.total_layers, self.t_max, hpr, chans, dtype=self.layout.dtype,
                                 device=dev)
         self.read_block = torch.full((groups, self.r_max), pad, dtype=torch.int64, device=dev)
         self.read_off = torch.zeros(self.r_max, dtype=torch.int64, device=dev)
-        self.read_out = torch.zeros(config.num_layers, self.r_max, hpr, chans,
+        self.read_out = torch.zeros(config.total_layers, self.r_max, hpr, chans,
                                     dtype=self.layout.dtype, device=dev)
-        self.hidden = torch.zeros(config.num_layers, self.t_max, 4, device=dev)
+        self.hidden = torch.zeros(config.total_layers, self.t_max, 4, device=dev)
         self._offsets = torch.arange(self.t_max, device=dev) % config.block_size
         self.graphs: dict[int, list[CapturedGraph]] = {}
         # CPU: the emulator; CUDA: real graphs, captured on a side stream (GRA-004).
@@ -273,7 +298,7 @@ class WorkerRuntime:
                                       device=self.device)
         self.buffer.fill_(ALLOC_POISON)  # new memory (in place: the same range, contents lost)
         view = self.layout.view(self.buffer)
-        self.layers = [view[i] for i in range(self.config.num_layers)]
+        self.layers = [view[i] for i in range(self.config.total_layers)]
         self._alloc_value.clear()
         self._alloc_blocks.clear()
         self._freed.clear()
@@ -338,20 +363,37 @@ class WorkerRuntime:
             self.connector.start_load_kv(ctx)
         calls = self.hook_calls
         if reqs:
-            self._forward(kind, size or tokens, ctx)
-        lost = self._lost_hooks(plan, self.hook_calls - calls, bool(reqs))
+            self._forward(kind, size or tokens, ctx, layers=self.target)
+        # A forward with a drafter is a speculative step (SPD-001): the output hooks run
+        # after the target's layers, then the draft passes, then wait_for_save.
+        speculative = self.config.speculative and bool(reqs)
         if plan.start_load and late_start:
             self.connector.start_load_kv(ctx)
+        early: list[dict[str, str]] = []
+        if speculative:
+            start = time.monotonic()
+            out = self.connector.build_connector_output(frozenset(msg["finished"]))
+            took = time.monotonic() - start
+            early = self._stale_output(out, msg["step"])
+            restore = self._poison_reported(out, msg.get("held", {}))
+            for q in range(self.config.draft_passes):
+                self._draft_pass(kind, size or tokens, ctx, q)
+        lost = self._lost_hooks(plan, self.hook_calls - calls, bool(reqs))
         if self.gate is not None:  # hold_threads: held from here while the engine is busy
             self.gate.close() if reqs else self.gate.open()
         if plan.wait_for_save:
             self.connector.wait_for_save()
-        start = time.monotonic()
-        out = self.connector.build_connector_output(frozenset(msg["finished"]))
-        took = time.monotonic() - start
+        if speculative:
+            for block, saved in restore:
+                self._restore(block, saved)
+        else:
+            start = time.monotonic()
+            out = self.connector.build_connector_output(frozenset(msg["finished"]))
+            took = time.monotonic() - start
+        self._last_out = out
         self.connector.clear_connector_metadata()
         violations, self._asleep_written = self._asleep_written, []
-        violations += (written + self._retired_written(msg["step"]) + lost
+        violations += (early + written + self._retired_written(msg["step"]) + lost
                       + self._check_reads(reqs, reads, out.invalid_block_ids, kind))
         violations += self._null_block_written(msg["step"])
         if took > self.config.hook_budget_s:
@@ -374,14 +416,18 @@ class WorkerRuntime:
         self.connector.bind_connector_metadata(self.connector.build_dummy_connector_meta(ctx))
         if plan.start_load:
             self.connector.start_load_kv(ctx)
-        self._forward(kind, size, ctx, plan)
+        self._forward(kind, size, ctx, plan, layers=self.target)
+        if self.draft:
+            self._forward(kind, size, ctx, plan, layers=self.draft, piece=1)
         if plan.wait_for_save:
             self.connector.wait_for_save()
         self.connector.clear_connector_metadata()
 
     def _lost_hooks(self, plan: ForwardPlan, calls: int, ran: bool) -> list[dict[str, str]]:
         """GRA-010: every per-layer hook the plan says runs eagerly ran, once per layer."""
-        want = 2 * self.config.num_layers if ran and plan.layer_hooks is HookPlacement.EAGER else 0
+        layers = self.config.num_layers + (self.config.draft_layers * self.config.draft_passes
+                                           if self.config.speculative else 0)
+        want = 2 * layers if ran and plan.layer_hooks is HookPlacement.EAGER else 0
         if calls == want:
             return []
         return [{"clause": "GRA-010", "observed": f"{calls} per-layer hook calls in a "
@@ -445,14 +491,18 @@ class WorkerRuntime:
         self.hidden[layer, :size].mul_(0.5).add_(1.0)
 
     def _forward(self, kind: ForwardKind, size: int, ctx: ForwardContextView | None = None,
-                 plan: ForwardPlan | None = None) -> None:
+                 plan: ForwardPlan | None = None, *, layers: range | None = None,
+                 piece: int = 0) -> None:
+        """Run ``layers`` (every layer when None): the target's forward, or a draft pass
+        (``piece`` 1: the drafter's own FULL graph)."""
         plan = plan or self._plan(kind)
+        layers = range(self.config.total_layers) if layers is None else layers
         layer_hooks = plan.layer_hooks in (HookPlacement.EAGER, HookPlacement.CAPTURED)
         if kind is ForwardKind.REPLAY and self.mode is GraphMode.FULL:
-            self.graphs[size][0].replay()  # hooks replay as captured work (GRA-006)
+            self.graphs[size][piece].replay()  # hooks replay as captured work (GRA-006)
             return
         pieces = self.graphs.get(size, []) if kind is ForwardKind.REPLAY else []
-        for layer in range(self.config.num_layers):
+        for layer in layers:
             if layer_hooks:
                 self._hook("wait", layer, ctx)
             self._attention(layer, size)
@@ -473,17 +523,22 @@ class WorkerRuntime:
                 self.connector.bind_connector_metadata(self.connector.build_dummy_connector_meta(ctx))
             if plan.start_load:
                 self.connector.start_load_kv(ctx)
+            # the target's forward and, with a drafter, one draft pass: each its own graph
+            parts = [self.target] + ([self.draft] if self.draft else [])
             if kind is ForwardKind.WARMUP:
-                self._forward(kind, size, ctx, plan)
+                for part in parts:
+                    self._forward(kind, size, ctx, plan, layers=part)
             elif self.mode is GraphMode.FULL:
                 assert self.capturer is not None
-                graph, _ = self.capturer.capture(lambda: self._forward(ForwardKind.WARMUP, size, ctx, plan))
-                self.graphs[size] = [graph]
+                self.graphs[size] = [self.capturer.capture(functools.partial(
+                    self._forward, ForwardKind.WARMUP, size, ctx, plan, layers=part))[0]
+                    for part in parts]
             else:
                 assert self.capturer is not None
-                self._forward(kind, size, ctx, plan)  # attention and hooks stay eager (GRA-003)
+                for part in parts:  # attention and hooks stay eager (GRA-003)
+                    self._forward(kind, size, ctx, plan, layers=part)
                 self.graphs[size] = [self.capturer.capture(functools.partial(self._mlp, layer, size))[0]
-                                     for layer in range(self.config.num_layers)]
+                                     for layer in range(self.config.total_layers)]
             if plan.wait_for_save:
                 self.connector.wait_for_save()
             if plan.binding is MetadataBinding.DUMMY:
@@ -520,6 +575,7 @@ class WorkerRuntime:
         read_o: list[int] = []
         reads: list[tuple[Mapping[str, Any], list[int], int]] = []
         vals: list[torch.Tensor] = []
+        provisional: dict[int, list[torch.Tensor]] = {}
         for r in reqs:
             s, e = r["start"], r["start"] + r["n"]
             hashes = prefix_hashes(tuple(r["tokens"]), r["seed"])
@@ -540,7 +596,15 @@ class WorkerRuntime:
                     read_w.append(window[p // bs])  # the null block, out of the window
                 read_o.append(p % bs)
             vals.append(torch.stack([self.model.kv(hashes[s:e], layer, self.heads)
-                                     for layer in range(self.config.num_layers)]))
+                                     for layer in range(self.config.total_layers)]))
+            for q in range(self.config.draft_passes - 1 if self.draft else 0):
+                provisional.setdefault(q, []).append(torch.stack([self.model.kv(
+                    [provisional_hash(h, q) for h in hashes[s:e]], layer, self.heads)
+                    for layer in self.draft]))
+            for p in range(e - r.get("rejected", 0), e):  # rejected draft tokens' KV
+                seen = self._rejected.setdefault(p, set())
+                if len(seen) < _WATCHED_WRITES:
+                    seen.add(hashes[p])
         n, m = len(slot_b), len(read_b)
         self.slot_block.fill_(pad)
         self.slot_off.copy_(self._offsets)
@@ -553,6 +617,10 @@ class WorkerRuntime:
                 self.slot_block[1, :n] = torch.tensor(slot_w)
             self.slot_off[:n] = torch.tensor(slot_o)
             self.vals[:, :n] = torch.cat(vals, dim=1).to(self.layout.dtype)
+        self._draft_vals = [torch.cat(provisional[q], dim=1).to(self.layout.dtype)
+                            for q in sorted(provisional)]
+        if n and self.draft:
+            self._draft_vals.append(self.vals[self.draft.start:, :n].clone())
         if m:
             self.read_block[0, :m] = torch.tensor(read_b)
             if read_w:
@@ -569,7 +637,7 @@ class WorkerRuntime:
         """
         bs = self.config.block_size
         read_out = self.read_out.cpu()  # waits for the step's device work
-        for layer in range(self.config.num_layers):
+        for layer in range(self.config.total_layers):
             for r, hashes, at in reads:
                 s = r["start"]
                 if s == 0:
@@ -586,6 +654,10 @@ class WorkerRuntime:
                 if bad:
                     p = bad[0]
                     v = self._attribute(r, hashes, p, layer, got, want)
+                    if (self.config.is_draft_layer(layer)
+                            and v["clause"] in ("WRK-005", "WRK-011", "WRK-013", "LAY-007")
+                            and self._full_group_exact(read_out, at, p, hashes)):
+                        v = self._draft_violation(v, r, hashes, p, layer, got)
                     if (self._group[layer] and v["clause"] in ("WRK-005", "WRK-011", "WRK-013")
                             and self._full_group_exact(read_out, at, p, hashes)):
                         v = {"clause": "KVG-003", "observed": v["observed"].split(" was ")[0]
@@ -603,12 +675,80 @@ class WorkerRuntime:
                     return [v]
         return []
 
+    def _draft_violation(self, v: dict[str, str], r: Mapping[str, Any], hashes: list[int],
+                         pos: int, layer: int, got_all: torch.Tensor) -> dict[str, str]:
+        """A draft layer read wrong bytes where the target's layers read the right ones:
+        the first pass's provisional KV (SPD-002) or no draft KV at all (SPD-003)."""
+        got = got_all[pos]
+        where = (f"request {r['id']!r}, token {pos}, draft layer "
+                 f"{self.layer_names[layer]!r}, rank {self.rank}")
+        for q in range(self.config.draft_passes - 1):
+            want = self.model.kv([provisional_hash(hashes[pos], q)], layer, self.heads)[0]
+            if torch.equal(got, want.to(got.dtype)):
+                return {"clause": "SPD-002", "observed": f"{where} holds what draft pass {q} "
+                        f"of {self.config.draft_passes} wrote, not the layer's content after "
+                        "the step's last draft pass, while the target's layers hold the right "
+                        "KV: the connector saved the draft layer's first call of the step",
+                        "expected": "a draft layer's hooks accepted once per draft pass, and "
+                        "its KV saved as it is after the last pass"}
+        return {"clause": "SPD-003", "observed": f"{where} read wrong bytes ("
+                + v["clause"] + f": {v['observed']}) while the target's layers hold the right "
+                "KV for the same tokens: the draft layers' KV was not saved or not loaded "
+                "with the prefix", "expected": "draft layers saved and loaded with the "
+                "target's, so a loaded request drafts as one that computed its prefix"}
+
+    def _stale_output(self, out: KVConnectorOutput, step: int) -> list[dict[str, str]]:
+        """SPD-004: a speculative step's output is built afresh, never the previous step's
+        object returned again with its reports."""
+        last = self._last_out
+        if last is not None and out is last and not out.is_empty():
+            return [{"clause": "SPD-004", "observed": f"rank {self.rank}: step {step}'s "
+                     "build_connector_output returned the same output object as the step "
+                     f"before (finished_sending {sorted(out.finished_sending)[:4]}, "
+                     f"finished_recving {sorted(out.finished_recving)[:4]}): a stale output "
+                     "cached before drafting, which drops what completed after it",
+                     "expected": "a fresh output every step; a save completing in wait_for_save "
+                     "reported in a later step's output, never lost"}]
+        return []
+
+    def _poison_reported(self, out: KVConnectorOutput,
+                         held: Mapping[str, list[int]]) -> list[tuple[int, list[torch.Tensor]]]:
+        """SPD-004: the engine may act on a speculative step's output as soon as it is
+        built: the blocks of each delayed free the output reports in finished_sending get
+        ``REPORTED_POISON`` until ``wait_for_save`` returned. Returns what to restore."""
+        saved: list[tuple[int, list[torch.Tensor]]] = []
+        for rid in sorted(out.finished_sending):
+            for b in held.get(rid, ()):
+                split = self.layout.packing is KVPacking.SPLIT
+                saved.append((b, [(t[:, b] if split else t[b]).clone() for t in self.layers]))
+                self._poison(b, REPORTED_POISON)
+        return saved
+
+    def _restore(self, block: int, saved: list[torch.Tensor]) -> None:
+        for t, old in zip(self.layers, saved):
+            if self.layout.packing is KVPacking.SPLIT:
+                t[:, block].copy_(old)
+            else:
+                t[block].copy_(old)
+
+    def _draft_pass(self, kind: ForwardKind, size: int, ctx: ForwardContextView,
+                    draft_pass: int) -> None:
+        """One draft pass of a speculative step: the draft layers' hooks and attention
+        (SPD-001, SPD-002). Every pass but the last writes provisional draft KV at the step's
+        positions; the last writes the final KV."""
+        if not self.draft:
+            return  # n-gram drafting: no draft layers, no hooks
+        if self._draft_vals:
+            vals = self._draft_vals[min(draft_pass, len(self._draft_vals) - 1)]
+            self.vals[self.draft.start:, : vals.shape[1]] = vals  # outside any graph (GRA-005)
+        self._forward(kind, size, ctx, layers=self.draft, piece=1)
+
     def _full_group_exact(self, read_out: torch.Tensor, at: int, pos: int,
                           hashes: list[int]) -> bool:
         """True when every full-attention layer read the right KV for token ``pos``."""
         return all(torch.equal(read_out[layer, at + pos], self.model.kv(
             hashes[pos:pos + 1], layer, self.heads)[0].to(self.layout.dtype))
-            for layer in range(self.config.num_layers) if not self._group[layer])
+            for layer in range(self.config.num_layers) if not self._group[layer])  # target's
 
     def poison(self, msg: Mapping[str, Any]) -> None:
         """Write the poisons of the blocks freed since the last step (``poison_freed``,
@@ -710,6 +850,23 @@ class WorkerRuntime:
                     "stored from (or loaded through) the tensors registered before the sleep",
                     "expected": "after restore_kv_caches, reads and writes only of the "
                     "tensors it was given at wake"}
+        if loaded and bool((got == REPORTED_POISON).all()):
+            return {"clause": "SPD-004", "observed": f"{where} was loaded with the poison the "
+                    "engine writes, in a speculative step, into the blocks of a delayed free "
+                    "once the step's output (built before the draft passes and wait_for_save) "
+                    "reported it in finished_sending: the save still read them after it was "
+                    "reported finished", "expected": "an output reports only saves that "
+                    "completed when it was built; a save completing in wait_for_save is "
+                    "reported in a later step's output"}
+        if loaded:
+            for h in self._rejected.get(pos, ()):
+                if torch.equal(got, self.model.kv([h], layer, self.heads)[0].to(got.dtype)):
+                    return {"clause": "SPD-005", "observed": f"{where} was loaded with the KV "
+                            "the engine wrote at this position for a draft token the target "
+                            "rejected: a block was stored from the tokens a speculative step "
+                            "scheduled, not from the accepted ones", "expected": "only blocks "
+                            "whose every token was accepted (the request's computed tokens "
+                            "after the scheduler's update) stored"}
         if loaded and bool((got == PREEMPTED_POISON).all()):
             return {"clause": "WRK-012", "observed": f"{where} was loaded with the poison the "
                     "engine writes into the blocks of preempted requests once "

@@ -116,6 +116,24 @@ class HarnessConfig:
             and computes the request itself from its local hit, as vLLM's scheduler does
             when its auxiliary-output cap (0.33), a local hit with a partial last block or
             a replayed sliding window cuts the hit (SCH-034). False, the default.
+        speculative_tokens: Speculative decoding (SPD): each decoding request is scheduled
+            one token plus this many draft tokens (fewer near its end), counted computed
+            when scheduled; a seeded number of them (``accept_seed``) is accepted, the
+            rest subtracted when the output is processed, as vLLM's scheduler does. The
+            KV written at rejected positions is that of the rejected tokens, overwritten
+            by a later step (SPD-005). Every step with a forward runs the speculative
+            order (SPD-001). 0, the default: no drafter.
+        draft_layers: Layers of the drafter (an EAGLE head, an MTP module, a draft
+            model), registered after the target's layers and, as in vLLM, in the target's
+            full-attention group (SPD-003); 0 is n-gram drafting (no draft KV). Needs
+            ``speculative_tokens``.
+        draft_passes: Draft passes per speculative step (vLLM: 2 for eagle, eagle3 and
+            draft_model with 2 draft tokens, 1 for mtp): each runs the draft layers'
+            per-layer hooks (SPD-002). Each pass writes the draft KV of the step's tokens;
+            every pass but the last writes provisional values, so that only the content
+            after the last pass is right.
+        accept_seed: Seed of the acceptance rule: how many of a step's draft tokens the
+            target accepts (0 to all of them).
         transfer_timeout_s: How long an awaited transfer may stay unreported before the
             harness calls it lost (SCH-016, SCH-021, SCH-023).
         worker_timeout_s: Bound on every wait for a worker process once it started
@@ -166,6 +184,10 @@ class HarnessConfig:
     sliding_window: int | None = None
     fail_steps: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=_fail_steps)
     cut_async_matches: bool = False
+    speculative_tokens: int = 0
+    draft_layers: int = 0
+    draft_passes: int = 1
+    accept_seed: int = 0
     transfer_timeout_s: float = 10.0
     worker_timeout_s: float = 60.0
     worker_start_timeout_s: float = 240.0
@@ -225,6 +247,18 @@ class HarnessConfig:
         if not isinstance(self.cut_async_matches, bool):
             raise InvalidArgumentError(f"HarnessConfig.cut_async_matches must be a bool, got "
                                        f"{self.cut_async_matches!r}")
+        for name in ("speculative_tokens", "draft_layers", "accept_seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"HarnessConfig.{name} must be an int >= 0, got {v!r}")
+        passes = self.draft_passes
+        if (isinstance(passes, bool) or not isinstance(passes, int)
+                or not 1 <= passes <= max(1, self.speculative_tokens)):
+            raise InvalidArgumentError(
+                f"HarnessConfig.draft_passes must be an int in [1, speculative_tokens="
+                f"{self.speculative_tokens}], got {passes!r}")
+        if self.draft_layers and not self.speculative_tokens:
+            raise InvalidArgumentError("HarnessConfig.draft_layers needs speculative_tokens >= 1")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1
                               or self.num_layers < 2 or self.prefix_caching):
@@ -234,23 +268,50 @@ class HarnessConfig:
                 f"prefix_caching={self.prefix_caching})")
 
     @property
+    def speculative(self) -> bool:
+        """Whether a drafter runs: every step with a forward is a speculative one (SPD-001)."""
+        return self.speculative_tokens > 0
+
+    @property
+    def total_layers(self) -> int:
+        """Registered KV layers: the target's, then the drafter's."""
+        return self.num_layers + self.draft_layers
+
+    @property
+    def draft_layer_names(self) -> tuple[str, ...]:
+        """The drafter's layers' names, as vLLM names a draft model's."""
+        return tuple(f"draft_model.model.layers.{j}.self_attn.attn"
+                     for j in range(self.draft_layers))
+
+    @property
     def layer_names(self) -> tuple[str, ...]:
-        """The layers' names, as the workers register them."""
-        return tuple(f"model.layers.{i}.attn" for i in range(self.num_layers))
+        """The layers' names, as the workers register them: the target's, then the
+        drafter's."""
+        return (tuple(f"model.layers.{i}.attn" for i in range(self.num_layers))
+                + self.draft_layer_names)
+
+    def is_draft_layer(self, layer: int) -> bool:
+        """Whether layer index ``layer`` is one of the drafter's."""
+        return layer >= self.num_layers
 
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         """The model's groups (KVG-001): none (one full group) without ``sliding_window``;
-        else the even layers' full-attention group and the odd layers' sliding-window one."""
+        else the even layers' full-attention group and the odd layers' sliding-window one.
+        Draft layers are in the full-attention group, as vLLM groups them (SPD-003)."""
         if self.sliding_window is None:
             return ()
-        names = self.layer_names
-        return (KVCacheGroup(GroupKind.FULL, self.block_size, names[0::2]),
+        names = self.layer_names[: self.num_layers]
+        return (KVCacheGroup(GroupKind.FULL, self.block_size,
+                             names[0::2] + self.draft_layer_names),
                 KVCacheGroup(GroupKind.SLIDING_WINDOW, self.block_size, names[1::2],
                              window=self.sliding_window))
 
     def group_of_layer(self, layer: int) -> int:
-        """The index of the KV-cache group ``layer`` belongs to (0 with one group)."""
-        return layer % 2 if self.sliding_window is not None else 0
+        """The index of the KV-cache group ``layer`` belongs to (0 with one group; draft
+        layers are in the full-attention group 0)."""
+        if self.sliding_window is None or self.is_draft_layer(layer):
+            return 0
+        return layer % 2
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -270,7 +331,7 @@ class HarnessConfig:
     def layout(self) -> KVCacheLayout:
         """The layout descriptor of one rank's KV tensors."""
         return KVCacheLayout.contiguous(
-            self.order, self.packing, self.torch_dtype, self.num_layers, self.num_blocks,
+            self.order, self.packing, self.torch_dtype, self.total_layers, self.num_blocks,
             self.block_size, self.heads_per_rank, self.head_size,
             block_capacity=self.num_blocks + self.extra_capacity,
             page_padding_elems=self.page_padding, restridable=self.restridable,
@@ -283,12 +344,14 @@ class HarnessConfig:
         KV heads (all ranks), head size and dtype, for adapters that must tell every role
         the same model (the vLLM wrapper)."""
         return EngineConfigView(
-            engine_id=self.engine_id, role=self.role, num_layers=self.num_layers,
+            engine_id=self.engine_id, role=self.role, num_layers=self.total_layers,
             block_size=self.block_size, num_blocks=self.num_blocks, tp_size=self.tp_size,
             extra={**connector_extra(), **self.extra, "kvspec.tmpdir": tmpdir,
                    "kvspec.model": {"num_kv_heads": self.num_heads, "head_size": self.head_size,
                                     "dtype": self.dtype}},
             async_scheduling=self.async_scheduling, kv_cache_groups=self.kv_cache_groups(),
+            draft_layer_names=self.draft_layer_names,
+            num_speculative_tokens=self.speculative_tokens,
         )
 
     def to_plain(self) -> dict[str, Any]:

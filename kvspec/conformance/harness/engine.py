@@ -11,6 +11,7 @@ configuration, the workload and the step.
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import math
 import shutil
@@ -97,6 +98,7 @@ class _Req:
     invalid_named: bool = False
     params: Mapping[str, Any] | None = None
     preemptions: int = 0
+    rejecting: int = 0  # draft tokens of the step in flight the target rejects (SPD-005)
 
     @property
     def rid(self) -> str:
@@ -629,6 +631,10 @@ class Engine:
             "preempted": sorted(out_view.preempted_req_ids),
             "finished": sorted(out_view.finished_req_ids),
             "reqs": plans,
+            # the blocks of delayed frees: in a speculative step the engine may act on
+            # an output as soon as it is built (SPD-004)
+            "held": {rid: list(b) for rid, b in self.held.items()} if self.config.speculative
+            else {},
         }
         self._check_freed = False
         outputs, violations = self.workers.step(msg, meta)
@@ -707,6 +713,7 @@ class Engine:
         counts: dict[str, int] = {}
         plans: list[dict[str, Any]] = []
         preempted: list[str] = []
+        spec: dict[str, int] = {}  # draft tokens per request (SPD-005)
 
         def plan(r: _Req, start: int, n: int) -> None:
             counts[r.rid] = n
@@ -723,19 +730,34 @@ class Engine:
                 break
             if r not in self.running:
                 continue  # preempted earlier in this loop
-            n = self._chunk(r, r.num_computed, budget)
+            k = 0
+            if self.config.speculative and r.num_computed >= r.prompt_len:
+                if r.num_computed > r.executed:
+                    continue  # its speculative step is in flight (async scheduling): the
+                    # accepted count is not known yet, so nothing is scheduled for it
+                k = max(0, min(self.config.speculative_tokens, r.target - r.num_computed - 1,
+                               budget - 1))
+            n = self._chunk(r, r.num_computed, budget) + k
             if n <= 0:
                 continue
             before, before_w = len(r.blocks), len(r.window)
             if not self._grow(r, r.num_computed + n, preempted, counts):
                 continue
             start = r.num_computed
+            accepted = self._accepted(r, start, k)
+            proposed = self._proposals(r, start, k, accepted)
             cached.append(CachedRequestView(
                 r.rid, self._blocks(r, before, before_w), start,
-                new_token_ids=r.tokens[start : start + n],
+                new_token_ids=r.tokens[start : start + 1] + proposed if k
+                else r.tokens[start : start + n],
             ))
             plan(r, start, n)
-            r.num_computed += n
+            if k:  # the step writes the proposals' KV; the rejected ones are not the request's
+                plans[-1]["tokens"] = list(r.tokens[: start + 1]) + list(proposed)
+                plans[-1]["rejected"] = k - accepted
+                spec[r.rid] = k
+                r.rejecting = k - accepted
+            r.num_computed += n  # counted computed now, the rejected subtracted later (SPD-005)
             budget -= n
 
         for r in list(self.waiting):
@@ -790,11 +812,29 @@ class Engine:
         out = SchedulerOutputView(
             self.step_id, tuple(new), tuple(cached), counts,
             finished_req_ids=self._finished_ids, preempted_req_ids=preempted,
+            spec_decode_tokens=spec,
         )
         self._finished_ids = []
         return out, plans
 
     # -- scheduling helpers ----------------------------------------------------------------
+
+    def _accepted(self, r: _Req, start: int, k: int) -> int:
+        """How many of ``k`` draft tokens proposed at ``start`` the target accepts: seeded
+        by ``accept_seed``, the request and the position, so reruns accept the same."""
+        if not k:
+            return 0
+        digest = hashlib.blake2b(f"{self.config.accept_seed}|{r.rid}|{start}".encode(),
+                                 digest_size=4).digest()
+        return int.from_bytes(digest, "little") % (k + 1)
+
+    @staticmethod
+    def _proposals(r: _Req, start: int, k: int, accepted: int) -> tuple[int, ...]:
+        """The ``k`` draft tokens after position ``start``: the request's own tokens for the
+        ``accepted`` ones, then tokens it never has (rejected, SPD-005)."""
+        real = r.tokens[start + 1 : start + 1 + k]
+        return real[:accepted] + tuple((t + 1 + j) % 997 for j, t in
+                                       enumerate(real[accepted:]))
 
     @staticmethod
     def _chunk(r: _Req, computed: int, budget: int) -> int:
@@ -906,6 +946,7 @@ class Engine:
             self._held_blocks(r), hold_until=time.monotonic() + hold if hold else None)
         r.window = []
         r.blocks, r.num_computed, r.executed, r.ext, r.recv_done = [], 0, 0, (0, 0), False
+        r.rejecting = 0
         r.preemptions += 1
         # Queued again as PREEMPTED, as vLLM 0.32 does, until it runs: connectors read the
         # status (LMCache's MP connector tells a resumed request from a failed load by it).
@@ -1060,8 +1101,12 @@ class Engine:
                  plans: list[dict[str, Any]]) -> None:
         for p in plans:
             r = self.requests[p["id"]]
+            rejected = p.get("rejected", 0)
             if r in self.running:
-                r.executed = max(r.executed, p["start"] + p["n"])
+                if rejected and r.rejecting == rejected:  # vLLM subtracts the rejected
+                    r.num_computed -= rejected  # draft tokens when the output arrives
+                r.rejecting = 0
+                r.executed = max(r.executed, p["start"] + p["n"] - rejected)
         if violations:
             v = violations[0]
             self._violate(v["clause"], v["observed"], v["expected"])
