@@ -703,6 +703,10 @@ class ForwardContextView:
             _nonneg("step_id", self.step_id)
 
 
+def _draft_names(values: object) -> tuple[str, ...]:
+    return () if values == () else _layer_names(values)
+
+
 def _groups_tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
 
@@ -757,7 +761,7 @@ class EngineConfigView:
     async_scheduling: bool = attrs.field(default=False, validator=_is(bool))
     kv_cache_groups: tuple[KVCacheGroup, ...] = attrs.field(
         default=(), converter=_groups_tuple, validator=_v_groups)
-    draft_layer_names: tuple[str, ...] = attrs.field(default=(), converter=_layer_names)
+    draft_layer_names: tuple[str, ...] = attrs.field(default=(), converter=_draft_names)
     num_speculative_tokens: int = attrs.field(default=0, validator=_v_nonneg)
 
     @property
