@@ -58,6 +58,9 @@ from .storage import KVBlocks, block_path, stored_events, write_block_file, writ
 
 __all__ = [
     "LateScrubConnector",
+    "DraftNeverSavedConnector",
+    "OncePerStepSavesConnector",
+    "StaleOutputConnector",
     "IgnoresResetConnector",
     "AssumesNhdConnector",
     "AssertsCapacityConnector",
@@ -1222,7 +1225,101 @@ class StaleTensorsConnector(BrokenConnector):
     worker_class = _StaleTensorsWorker
 
 
+# ---------------------------------------------------------------------- speculative decoding
+
+_SPECULATIVE = "TestSpeculative and test_speculative_workload"
+"""The suite tests that catch the speculative variants (eagle: two draft passes a step)."""
+
+
+class _LayerwiseBroken(LayerwiseStorageConnector):
+    """Base of the speculative variants built on the layerwise connector (per-layer hooks)."""
+
+    violates: ClassVar[str] = ""
+    selection: ClassVar[str] = _SPECULATIVE
+
+    @property
+    def name(self) -> str:
+        """``"broken-<clause>"``."""
+        return f"broken-{self.violates.lower()}"
+
+
+class _SkipsDraftWorker(LayerwiseStorageWorker):
+    """Skips the draft layers' save_kv_layer (SPD-003)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._draft = frozenset(config.draft_layer_names)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      forward_context: ForwardContextView) -> None:
+        if layer_name in self._draft:  # "the drafter's KV is recomputed anyway"
+            return
+        super().save_kv_layer(layer_name, kv_layer, forward_context)
+
+
+class DraftNeverSavedConnector(_LayerwiseBroken):
+    """Breaks SPD-003: never saves the draft layers' KV (vLLM PR 34529 / PR 35158, issue
+    43719): a request whose prefix it loads drafts from whatever its staging held."""
+
+    violates: ClassVar[str] = "SPD-003"
+    worker_class = _SkipsDraftWorker
+
+
+class _OncePerStepWorker(LayerwiseStorageWorker):
+    """Saves each layer on its first save_kv_layer of a step only (SPD-002)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._saved: set[str] = set()
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._saved = set()
+        super().bind_connector_metadata(metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      forward_context: ForwardContextView) -> None:
+        if layer_name in self._saved:  # "each layer is saved once a step"
+            return
+        self._saved.add(layer_name)
+        super().save_kv_layer(layer_name, kv_layer, forward_context)
+
+
+class OncePerStepSavesConnector(_LayerwiseBroken):
+    """Breaks SPD-002: saves each layer on its first ``save_kv_layer`` of the step and
+    ignores the later calls, so a draft layer's KV is stored as the first draft pass left
+    it, not as the last pass did."""
+
+    violates: ClassVar[str] = "SPD-002"
+    worker_class = _OncePerStepWorker
+
+
+class _StaleOutputWorker(SharedStorageWorker):
+    """Returns its last non-empty output again when the new one is empty (SPD-004)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._kept: KVConnectorOutput | None = None
+
+    def build_connector_output(self, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
+        out = super().build_connector_output(finished_req_ids)
+        if out.is_empty() and self._kept is not None:
+            out = self._kept  # "nothing new: the output built before drafting still holds"
+        self._kept = None if out is self._kept or out.is_empty() else out
+        return out
+
+
+class StaleOutputConnector(BrokenConnector):
+    """Breaks SPD-004: returns the output object it built before drafting again in the next
+    step when nothing new finished (vllm-ascend issue 8064), which repeats its reports and
+    hides what completed after it."""
+
+    violates = "SPD-004"
+    selection = _SPECULATIVE
+    worker_class = _StaleOutputWorker
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
+                               | type[_LayerwiseBroken]
                                | type[UnsyncedWriterConnector] | type[StaleTensorsConnector],
                                str], ...] = tuple(
     (cls, cls.violates)
@@ -1260,6 +1357,9 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         ForwardOnlySavesConnector,
         StaleTensorsConnector,
         LateScrubConnector,
+        DraftNeverSavedConnector,
+        OncePerStepSavesConnector,
+        StaleOutputConnector,
     )
 )
 """Every broken variant with the clause it breaks."""
