@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,8 @@ from kvspec.protocols import (
 )
 from kvspec.protocols.metadata import HandshakeMetadata
 
-__all__ = ["Call", "RecordingConnector", "Violation", "check_call_order", "read_calls"]
+__all__ = ["Call", "RecordingConnector", "Violation", "check_call_order", "check_step_order",
+           "read_calls"]
 
 _LOCK = threading.Lock()
 
@@ -216,7 +217,8 @@ class RecordingConnector(ConnectorFactory):
     def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
         """The wrapped worker role of ``rank``, recorded."""
         write = _writer(self._path, "worker", rank)
-        write("create_worker")
+        write("create_worker", draft_layers=list(config.draft_layer_names),
+              speculative_tokens=config.num_speculative_tokens)
         return _RecordingWorker(self._inner.create_worker(config, rank), write)
 
     def create_executor(self, config: EngineConfigView) -> ExecutorConnector | None:
@@ -263,20 +265,33 @@ def read_calls(path: str | os.PathLike[str]) -> list[Call]:
     return calls
 
 
+_LAYER_HOOKS = ("wait_for_layer_load", "save_kv_layer")
+
+
 def _check_worker(calls: list[Call], layer_order: list[str], sync_steps: set[int],
-                  out: list[Violation]) -> None:
+                  out: list[Violation], draft: Sequence[str] | None,
+                  speculative: bool | None) -> None:
     registered = False
     window: list[Call] | None = None
     segment: Call | None = None  # the last bind: its step's output follows once
     outputs = 0
+    drafter = bool(speculative)
+    draft_names: list[str] = list(draft or ())
+    dummy = False  # the next bind is a dummy run's: no output follows it (DRY-002)
+    dummy_window = False
 
     def close_segment() -> None:
-        if segment is not None and outputs != 1:
+        if segment is not None and not dummy_window and outputs != 1:
             out.append(Violation("WRK-008", f"{outputs} build_connector_output calls for one "
                                  "bound step; expected exactly one", segment.index))
 
     for c in calls:
-        if c.hook == "register_kv_caches":
+        if c.hook == "create_worker":
+            if draft is None:
+                draft_names = [str(n) for n in c.fields.get("draft_layers", ())]
+            if speculative is None:
+                drafter = bool(c.fields.get("speculative_tokens"))
+        elif c.hook == "register_kv_caches":
             if registered:
                 out.append(Violation("WRK-001", "register_kv_caches called twice", c.index))
             registered = True
@@ -292,25 +307,31 @@ def _check_worker(calls: list[Call], layer_order: list[str], sync_steps: set[int
                 out.append(Violation("WRK-003", "metadata bound twice without a clear",
                                      c.index))
             close_segment()
-            window, segment, outputs = [], c, 0
+            window, segment, outputs = [c], c, 0
+            dummy_window, dummy = dummy, False
+        elif c.hook == "build_dummy_connector_meta":
+            dummy = True
         elif c.hook == "clear_connector_metadata":
             if window is None:
                 out.append(Violation("WRK-003", "clear without a bind", c.index))
             else:
-                _check_window(window, layer_order, sync_steps, out)
+                _check_window(window, layer_order, sync_steps, out, draft_names,
+                              drafter and not dummy_window)
             window = None
         elif c.hook == "handle_preemptions":
             if window is not None:
                 out.append(Violation("WRK-012", "handle_preemptions while metadata is bound; "
                                      "expected it before the step's bind", c.index))
         elif c.hook == "build_connector_output":
-            # Before the clear (vLLM) or right after it (kvspec's harness): once per step.
+            # Before the clear (vLLM) or right after it (kvspec's harness): once per step;
+            # in a speculative step before wait_for_save (SPD-001).
             if segment is None:
                 out.append(Violation("WRK-008", "build_connector_output before any step was "
                                      "bound", c.index))
             outputs += 1
-        elif c.hook in ("start_load_kv", "wait_for_layer_load", "save_kv_layer",
-                        "wait_for_save"):
+            if window is not None:
+                window.append(c)
+        elif c.hook in ("start_load_kv", *_LAYER_HOOKS, "wait_for_save"):
             if window is None:
                 out.append(Violation("DRY-001", f"{c.hook} with no metadata bound", c.index))
             else:
@@ -319,40 +340,183 @@ def _check_worker(calls: list[Call], layer_order: list[str], sync_steps: set[int
 
 
 def _check_window(window: list[Call], layers: list[str], sync_steps: set[int],
-                  out: list[Violation]) -> None:
-    hooks = [c.hook for c in window]
+                  out: list[Violation], draft: Sequence[str] = (),
+                  drafter: bool = False) -> None:
+    """Check one bound step's recorded hooks (``check_step_order``), with the violations'
+    indexes those of the recorded calls."""
+    draft_set = set(draft) if drafter else set()  # a dummy run: every layer once, in order
+    starts = [c for c in window if c.hook == "start_load_kv"]
+    sync = bool({c.fields.get("step") for c in starts} & sync_steps)
+    # a step with a forward has tokens (its per-layer hooks may not run: FULL graphs)
+    tokens = starts[0].fields.get("tokens") if starts else None
+    found = check_step_order(
+        [(c.hook, str(c.fields.get("layer"))) if c.hook in _LAYER_HOOKS else c.hook
+         for c in window],
+        target_layers=[n for n in layers if n not in draft_set],
+        draft_layers=[n for n in layers if n in draft_set] or list(draft),
+        draft_passes=None if drafter else 0, sync_load=sync,
+        forward=bool(tokens) if isinstance(tokens, int) else None)
+    out += [attrs.evolve(v, index=window[v.index].index) for v in found]
+
+
+_STEP_HOOKS = frozenset({"bind_connector_metadata", "start_load_kv", *_LAYER_HOOKS,
+                         "build_connector_output", "wait_for_save",
+                         "clear_connector_metadata"})
+
+
+def check_step_order(calls: Sequence[str | tuple[str, str]], *, target_layers: Sequence[str],
+                     draft_layers: Sequence[str] = (), draft_passes: int | None = 0,
+                     forward: bool | None = None, sync_load: bool = False) -> list[Violation]:
+    """Check the worker hooks of one bound step against the spec's order; return the
+    violations (empty when the order is right), each with the clause it breaks and
+    ``index`` the position in ``calls``.
+
+    A pure function: no recording, no engine. It checks a hook sequence recorded anywhere
+    (a real engine included) against the plain step (docs/spec/state-machines.md: WRK-004,
+    WRK-005, WRK-007, WRK-008) or the speculative one (SPD-001: the target layers' hooks,
+    the output hooks, then each draft pass's draft-layer hooks, then ``wait_for_save``).
+
+    Args:
+        calls: The step's worker hooks in call order: plain hook names
+            (``"start_load_kv"``, ``"build_connector_output"``, ``"wait_for_save"``, ...)
+            and, for the per-layer hooks, ``(hook, layer_name)`` pairs such as
+            ``("save_kv_layer", "model.layers.0.self_attn.attn")``.
+            ``bind_connector_metadata`` and ``clear_connector_metadata`` may open and
+            close it; other hooks are ignored. ``build_connector_output`` may be left out
+            of a plain step (an engine may build the output after the clear), never out of
+            a speculative one.
+        target_layers: The target model's layers, in layer order.
+        draft_layers: The drafter's layers, in layer order (empty: n-gram drafting or no
+            drafter).
+        draft_passes: 0: no drafter runs (the plain order). ``n >= 1``: a drafter runs
+            ``n`` draft passes in a step with a forward (each calls every draft layer's
+            hooks once). None: a drafter runs, any number of passes >= 1.
+        forward: Whether the step ran a forward (only a step with a forward is
+            speculative). None: inferred from the per-layer hooks (a step whose per-layer
+            hooks do not run, under FULL graphs, is then checked as a plain one).
+        sync_load: The step carries synchronous loads: ``start_load_kv`` must come before
+            the first layer's hooks (WRK-004).
+
+    Raises:
+        InvalidArgumentError: a malformed call or a negative ``draft_passes``.
+    """
+    if draft_passes is not None and (isinstance(draft_passes, bool)
+                                     or not isinstance(draft_passes, int) or draft_passes < 0):
+        raise InvalidArgumentError(f"draft_passes must be None or an int >= 0, got "
+                                   f"{draft_passes!r}")
+    seq: list[tuple[int, str, str | None]] = []
+    for i, c in enumerate(calls):
+        if isinstance(c, str):
+            hook, layer = c, None
+        elif (isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str)
+              and isinstance(c[1], str)):
+            hook, layer = c
+        else:
+            raise InvalidArgumentError(f"calls[{i}] is neither a hook name nor a (hook, "
+                                       f"layer) pair: {c!r}")
+        if hook in _LAYER_HOOKS and layer is None:
+            raise InvalidArgumentError(f"calls[{i}]: {hook} needs its layer: ({hook!r}, "
+                                       "layer_name)")
+        if hook in _STEP_HOOKS:
+            seq.append((i, hook, layer))
+    out: list[Violation] = []
+    target, draft = list(target_layers), list(draft_layers)
+    hooks = [h for _, h, _ in seq]
+    at = {h: [k for k, x in enumerate(hooks) if x == h] for h in _STEP_HOOKS}
+    per_layer = [k for k, h in enumerate(hooks) if h in _LAYER_HOOKS]
+    first = per_layer[0] if per_layer else -1
+    index = (lambda k: seq[k][0]) if seq else (lambda k: 0)
+    idx0 = seq[0][0] if seq else 0
     for once, clause in (("start_load_kv", "WRK-004"), ("wait_for_save", "WRK-007")):
-        if hooks.count(once) != 1:
-            out.append(Violation(clause, f"{once} called {hooks.count(once)} times in one "
-                                 "bound step; expected once", window[0].index))
-    per_layer = [c for c in window if c.hook in ("wait_for_layer_load", "save_kv_layer")]
-    expected = [(h, name) for name in layers for h in ("wait_for_layer_load", "save_kv_layer")]
-    got = [(c.hook, c.fields.get("layer")) for c in per_layer]
-    if per_layer and got != expected:
-        out.append(Violation("WRK-005", f"per-layer hooks ran as {got}; expected each layer's "
-                             "wait then save, in layer order", per_layer[0].index))
-    if "start_load_kv" in hooks and per_layer:
-        at = hooks.index("start_load_kv")
-        first = hooks.index(per_layer[0].hook)
-        last = max(i for i, h in enumerate(hooks) if h in ("wait_for_layer_load",
-                                                           "save_kv_layer"))
-        step = window[at].fields.get("step")
-        if first < at < last:
-            out.append(Violation("WRK-004", "start_load_kv ran between two layers",
-                                 window[at].index))
-        if step in sync_steps and at > first:
-            out.append(Violation("WRK-004", f"step {step} has synchronous loads but "
-                                 "start_load_kv ran after the first layer", window[at].index))
-    if "wait_for_save" in hooks and per_layer and hooks.index("wait_for_save") < first_index(
-            hooks, ("wait_for_layer_load", "save_kv_layer"), last=True):
+        if len(at[once]) != 1:
+            out.append(Violation(clause, f"{once} called {len(at[once])} times in one bound "
+                                 "step; expected once", idx0))
+    if len(at["build_connector_output"]) > 1:
+        out.append(Violation("WRK-008", f"{len(at['build_connector_output'])} "
+                             "build_connector_output calls in one bound step; expected one",
+                             index(at["build_connector_output"][1])))
+    ran = bool(per_layer) if forward is None else forward
+    drafter = draft_passes != 0
+    speculative = drafter and ran
+    # The per-layer hooks: the target's, each layer's wait then save in layer order, once;
+    # then (speculative) the draft layers' once per draft pass.
+    got = [(hooks[k], seq[k][2]) for k in per_layer]
+    want_target = [(h, n) for n in target for h in _LAYER_HOOKS]
+    draft_hooks = [k for k in per_layer if seq[k][2] in set(draft) and seq[k][2] not in
+                   set(target)]
+    if per_layer:
+        if not speculative or not draft:
+            if got != want_target:
+                out.append(Violation(
+                    "WRK-005", f"per-layer hooks ran as {got}; expected each layer's wait "
+                    "then save, in layer order, once"
+                    + (" (draft layers' hooks in a step checked as one with no drafter)"
+                       if draft_hooks and not speculative else ""), index(first)))
+        else:
+            head = got[: len(want_target)]
+            tail = got[len(want_target):]
+            unit = [(h, n) for n in draft for h in _LAYER_HOOKS]
+            passes, rest = divmod(len(tail), len(unit))
+            if head != want_target:
+                where = next((k for k, (g, w) in enumerate(zip(head, want_target)) if g != w),
+                             min(len(head), len(want_target)))
+                clause = ("SPD-001" if where < len(got) and got[where][1] in set(draft)
+                          else "WRK-005")
+                out.append(Violation(
+                    clause, f"per-layer hooks ran as {got}; expected every target layer's "
+                    "wait then save in layer order, once, before any draft layer's hook",
+                    index(per_layer[min(where, len(per_layer) - 1)])))
+            elif any(n not in set(draft) for _, n in tail):
+                out.append(Violation(
+                    "WRK-005", f"per-layer hooks ran as {got}; expected each target layer's "
+                    "hooks once, before the draft passes",
+                    index(per_layer[len(want_target)])))
+            elif (rest or tail != unit * passes or not passes
+                  or (draft_passes is not None and passes != draft_passes)):
+                expected = ("" if draft_passes is None else f"{draft_passes} ") + "draft pass"
+                out.append(Violation(
+                    "SPD-001", f"draft layers' hooks ran as {tail}; expected {expected}(es), "
+                    "each every draft layer's wait then save in layer order",
+                    index(per_layer[min(len(want_target), len(per_layer) - 1)])))
+    if at["start_load_kv"] and per_layer:
+        s = at["start_load_kv"][0]
+        last = per_layer[-1]
+        if first < s < last:
+            out.append(Violation("WRK-004", "start_load_kv ran between two layers", index(s)))
+        if sync_load and s > first:
+            out.append(Violation("WRK-004", "the step has synchronous loads but "
+                                 "start_load_kv ran after the first layer", index(s)))
+    save = at["wait_for_save"][0] if at["wait_for_save"] else -1
+    if save >= 0 and per_layer and save < per_layer[-1]:
         out.append(Violation("WRK-007", "wait_for_save ran before the last layer's save",
-                             window[hooks.index("wait_for_save")].index))
-
-
-def first_index(hooks: list[str], names: tuple[str, ...], *, last: bool = False) -> int:
-    """The first (or last) position of any of ``names`` in ``hooks``, -1 if none."""
-    found = [i for i, h in enumerate(hooks) if h in names]
-    return (found[-1] if last else found[0]) if found else -1
+                             index(save)))
+    outputs = at["build_connector_output"]
+    if speculative:
+        if not outputs:
+            out.append(Violation("SPD-001", "no build_connector_output in a speculative step: "
+                                 "with a drafter the output hooks run after the target "
+                                 "layers, before the draft passes and wait_for_save", idx0))
+        else:
+            o = outputs[0]
+            target_done = [k for k in per_layer if seq[k][2] not in set(draft)
+                           or seq[k][2] in set(target)]
+            if save >= 0 and o > save:
+                out.append(Violation("SPD-001", "build_connector_output ran after "
+                                     "wait_for_save in a speculative step; with a drafter the "
+                                     "output hooks run before the draft passes and "
+                                     "wait_for_save", index(o)))
+            if target_done and o < target_done[-1]:
+                out.append(Violation("SPD-001", "build_connector_output ran before the last "
+                                     "target layer's hooks in a speculative step", index(o)))
+            if draft_hooks and o > draft_hooks[0]:
+                out.append(Violation("SPD-001", "build_connector_output ran after a draft "
+                                     "layer's hook; with a drafter the output hooks run "
+                                     "before the draft passes", index(o)))
+    elif outputs and save >= 0 and outputs[0] < save:
+        out.append(Violation("WRK-008", "build_connector_output ran before wait_for_save in "
+                             "a step with no drafter" + ("" if ran else " and no forward"),
+                             index(outputs[0])))
+    return sorted(out, key=lambda v: v.index)
 
 
 def _check_scheduler(calls: list[Call], out: list[Violation]) -> set[int]:
@@ -404,14 +568,26 @@ def _check_scheduler(calls: list[Call], out: list[Violation]) -> set[int]:
     return sync_steps
 
 
-def check_call_order(calls: Iterable[Call]) -> list[Violation]:
-    """Check recorded calls against docs/spec/state-machines.md; return the violations,
-    each with the clause it breaks (empty when the engine followed the spec)."""
+def check_call_order(calls: Iterable[Call], *, draft_layers: Sequence[str] | None = None,
+                     speculative: bool | None = None) -> list[Violation]:
+    """Check recorded calls against docs/spec/state-machines.md and SPD-001; return the
+    violations, each with the clause it breaks (empty when the engine followed the spec).
+
+    Each bound step is checked with ``check_step_order``. Whether a drafter runs and its
+    layers are read from the recorded ``create_worker`` call (the engine's
+    ``EngineConfigView.num_speculative_tokens`` and ``draft_layer_names``) unless given:
+
+    Args:
+        calls: Recorded calls (``read_calls``).
+        draft_layers: The drafter's layer names, overriding the recorded ones.
+        speculative: Whether a drafter runs (any number of draft passes), overriding the
+            recorded declaration.
+    """
     calls = list(calls)
     out: list[Violation] = []
     sync_steps = _check_scheduler([c for c in calls if c.role == "scheduler"], out)
     ranks = sorted({c.rank for c in calls if c.role == "worker" and c.rank is not None})
     for rank in ranks:
         _check_worker([c for c in calls if c.role == "worker" and c.rank == rank], [],
-                      sync_steps, out)
+                      sync_steps, out, draft_layers, speculative)
     return sorted(out, key=lambda v: v.index)

@@ -358,15 +358,17 @@ class WorkerRuntime:
         # after the forward (WRK-004). The output is collected before the clear, with the
         # step's metadata still bound, as vLLM does (WRK-008).
         odd = msg["step"] % 2 == 1
-        late_start = odd and not msg.get("sync_loads", True)
+        # A forward with a drafter is a speculative step (SPD-001): the output hooks run
+        # after the target's layers, then the draft passes, then wait_for_save. Its loads
+        # start before the target's layers: a late start would fall between the target's
+        # layers and the draft layers (WRK-004: never between two layers).
+        speculative = self.config.speculative and bool(reqs)
+        late_start = odd and not msg.get("sync_loads", True) and not speculative
         if plan.start_load and not late_start:
             self.connector.start_load_kv(ctx)
         calls = self.hook_calls
         if reqs:
             self._forward(kind, size or tokens, ctx, layers=self.target)
-        # A forward with a drafter is a speculative step (SPD-001): the output hooks run
-        # after the target's layers, then the draft passes, then wait_for_save.
-        speculative = self.config.speculative and bool(reqs)
         if plan.start_load and late_start:
             self.connector.start_load_kv(ctx)
         early: list[dict[str, str]] = []

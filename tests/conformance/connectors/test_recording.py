@@ -17,6 +17,7 @@ from kvspec.conformance.connectors.recording import (
     Call,
     RecordingConnector,
     check_call_order,
+    check_step_order,
     read_calls,
 )
 from kvspec.protocols import InvalidArgumentError
@@ -143,3 +144,142 @@ def test_the_reference_harness_passes_its_own_checker(tmp_path: Path, factory: A
     assert hooks.count("build_connector_meta") >= hooks.count("update_connector_output")
     windows = sum(1 for c in calls if c.hook == "bind_connector_metadata")
     assert hooks.count("build_connector_output") == windows
+
+
+# ------------------------------------------------------------------ the speculative step (SPD-001)
+
+T = ["t0", "t1"]
+D = ["d0"]
+
+
+def _layers(names: list[str]) -> list[str | tuple[str, str]]:
+    return [x for n in names for x in (("wait_for_layer_load", n), ("save_kv_layer", n))]
+
+
+def _spec_step(passes: int = 2, draft: list[str] = D) -> list[str | tuple[str, str]]:
+    """vLLM's order with a drafter: target layers, outputs, draft passes, wait_for_save."""
+    return (["bind_connector_metadata", "start_load_kv"] + _layers(T)
+            + ["build_connector_output"] + _layers(draft) * passes
+            + ["wait_for_save", "clear_connector_metadata"])
+
+
+@pytest.mark.parametrize("passes,declared", [(1, 1), (2, 2), (3, None), (2, None)])
+def test_check_step_order_accepts_the_drafters_order(passes: int, declared: int | None) -> None:
+    """SPD-001: outputs before wait_for_save, draft layers' hooks once per draft pass."""
+    assert check_step_order(_spec_step(passes), target_layers=T, draft_layers=D,
+                            draft_passes=declared) == []
+
+
+def test_check_step_order_plain_and_ngram_and_no_forward() -> None:
+    plain = (["bind_connector_metadata", "start_load_kv"] + _layers(T)
+             + ["wait_for_save", "build_connector_output", "clear_connector_metadata"])
+    assert check_step_order(plain, target_layers=T) == []
+    # n-gram drafting: no draft layers, the outputs still before wait_for_save
+    ngram = (["start_load_kv"] + _layers(T) + ["build_connector_output", "wait_for_save"])
+    assert check_step_order(ngram, target_layers=T, draft_passes=1) == []
+    # a step with no forward under a drafter keeps the plain order
+    idle = ["start_load_kv", "wait_for_save", "build_connector_output"]
+    assert check_step_order(idle, target_layers=T, draft_layers=D, draft_passes=2,
+                            forward=False) == []
+    # the output built after the clear is not part of the bound step
+    assert check_step_order(plain[:-2] + plain[-1:], target_layers=T) == []
+
+
+_WRONG: list[tuple[str, list[str | tuple[str, str]], dict[str, Any], str]] = [
+    ("draft hooks before the target's",
+     ["start_load_kv"] + _layers(D) + _layers(T) + ["build_connector_output"] + _layers(D)
+     + ["wait_for_save"], {"draft_passes": 2}, "SPD-001"),
+    ("draft hooks before the outputs",
+     ["start_load_kv"] + _layers(T) + _layers(D) + ["build_connector_output"] + _layers(D)
+     + ["wait_for_save"], {"draft_passes": 2}, "SPD-001"),
+    ("plain order under a drafter (wait_for_save before the outputs)",
+     ["start_load_kv"] + _layers(T) + _layers(D) * 2 + ["wait_for_save",
+                                                        "build_connector_output"],
+     {"draft_passes": 2}, "SPD-001"),
+    ("no output in a speculative step",
+     ["start_load_kv"] + _layers(T) + _layers(D) * 2 + ["wait_for_save"],
+     {"draft_passes": 2}, "SPD-001"),
+    ("outputs before wait_for_save with no drafter",
+     ["start_load_kv"] + _layers(T) + ["build_connector_output", "wait_for_save"],
+     {"draft_passes": 0}, "WRK-008"),
+    ("draft hooks in a step declared with no drafter",
+     ["start_load_kv"] + _layers(T) + _layers(D) + ["wait_for_save"],
+     {"draft_passes": 0}, "WRK-005"),
+    ("a target layer's hooks twice",
+     ["start_load_kv"] + _layers(T) + ["build_connector_output"] + _layers(T[:1])
+     + _layers(D) * 2 + ["wait_for_save"], {"draft_passes": 2}, "WRK-005"),
+    ("a target layer's hooks twice, no drafter",
+     ["start_load_kv"] + _layers(T) + _layers(T[:1]) + ["wait_for_save"],
+     {"draft_passes": 0}, "WRK-005"),
+    ("one draft pass where two were declared",
+     ["start_load_kv"] + _layers(T) + ["build_connector_output"] + _layers(D)
+     + ["wait_for_save"], {"draft_passes": 2}, "SPD-001"),
+    ("a draft pass cut short",
+     ["start_load_kv"] + _layers(T) + ["build_connector_output"] + _layers(D)
+     + [("wait_for_layer_load", "d0"), "wait_for_save"], {"draft_passes": None}, "SPD-001"),
+    ("wait_for_save before the last draft pass",
+     ["start_load_kv"] + _layers(T) + ["build_connector_output"] + _layers(D)
+     + ["wait_for_save"] + _layers(D), {"draft_passes": 2}, "WRK-007"),
+    ("the output before the last target layer",
+     ["start_load_kv"] + _layers(T[:1]) + ["build_connector_output"] + _layers(T[1:])
+     + _layers(D) * 2 + ["wait_for_save"], {"draft_passes": 2}, "SPD-001"),
+    ("start_load_kv between the target's layers",
+     _layers(T[:1]) + ["start_load_kv"] + _layers(T[1:]) + ["build_connector_output"]
+     + _layers(D) * 2 + ["wait_for_save"], {"draft_passes": 2}, "WRK-004"),
+    ("wait_for_save twice",
+     ["start_load_kv"] + _layers(T) + ["build_connector_output"] + _layers(D) * 2
+     + ["wait_for_save", "wait_for_save"], {"draft_passes": 2}, "WRK-007"),
+]
+
+
+@pytest.mark.parametrize("name,calls,kw,clause", _WRONG, ids=[w[0] for w in _WRONG])
+def test_check_step_order_rejects_every_other_order(
+        name: str, calls: list[str | tuple[str, str]], kw: dict[str, Any], clause: str) -> None:
+    found = check_step_order(calls, target_layers=T, draft_layers=D, **kw)
+    assert clause in {v.clause for v in found}, (name, found)
+
+
+def test_check_step_order_rejects_malformed_calls() -> None:
+    with pytest.raises(InvalidArgumentError, match="needs its layer"):
+        check_step_order(["save_kv_layer"], target_layers=T)
+    with pytest.raises(InvalidArgumentError, match="neither"):
+        check_step_order([("save_kv_layer",)], target_layers=T)  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match="draft_passes"):
+        check_step_order([], target_layers=T, draft_passes=-1)
+
+
+def test_recorded_speculative_steps_checked(tmp_path: Path) -> None:
+    """check_call_order reads the drafter from the recorded create_worker: the drafter's
+    order passes, the plain order under a declared drafter does not."""
+    spec = ([("worker", "bind_connector_metadata", {}), ("worker", "start_load_kv", {"step": 0})]
+            + [("worker", h, {"layer": n}) for h, n in _layers(T)]  # type: ignore[misc]
+            + [("worker", "build_connector_output", {})]
+            + [("worker", h, {"layer": n}) for h, n in _layers(D) * 2]  # type: ignore[misc]
+            + [("worker", "wait_for_save", {}), ("worker", "clear_connector_metadata", {})])
+    head = [("worker", "create_worker", {"draft_layers": D, "speculative_tokens": 2}),
+            ("worker", "register_kv_caches", {"layers": T + D}),
+            ("scheduler", "build_connector_meta", {"step": 0, "new": []})]
+    assert check_call_order(_calls(*head, *spec)) == []
+    plain = [r for r in spec if r[1] != "build_connector_output"]
+    plain.insert(-1, ("worker", "build_connector_output", {}))  # after wait_for_save
+    assert "SPD-001" in {v.clause for v in check_call_order(_calls(*head, *plain))}
+    # without the declaration the draft layers' repeated hooks are WRK-005
+    assert "WRK-005" in {v.clause for v in check_call_order(_calls(*head, *spec),
+                                                           speculative=False, draft_layers=[])}
+
+
+@pytest.mark.parametrize("graph", ["eager", "full"])
+def test_the_speculative_harness_passes_its_own_checker(tmp_path: Path, graph: str) -> None:
+    """The harness's speculative steps (eagle: two draft passes) pass the checker."""
+    from kvspec.protocols import GraphMode
+    path = tmp_path / "calls.jsonl"
+    rec = RecordingConnector(LayerwiseStorageConnector(), path)
+    cfg = HarnessConfig(prefix_caching=False, speculative_tokens=2, draft_layers=1,
+                        draft_passes=2,
+                        graph_mode=GraphMode.FULL if graph == "full" else GraphMode.NONE)
+    with Engine(rec, cfg, tmpdir=str(tmp_path)) as e:
+        e.run(SCENARIOS["full-prompt-hit"])
+    calls = read_calls(path)
+    assert check_call_order(calls) == []
+    hooks = [c.hook for c in calls]
+    assert hooks.count("save_kv_layer") > 0
