@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import msgspec
@@ -37,9 +37,12 @@ from kvspec.protocols import (
     KVCacheLayout,
     KVConnectorOutput,
     MalformedMetadataError,
+    MetadataSlot,
     RequestView,
+    SchedulerConnector,
     SchedulerOutputView,
     SupportsAggregate,
+    WorkerConnector,
 )
 
 from ._transfers import Transfer
@@ -54,6 +57,8 @@ from .shared_storage import (
     SharedStorageWorker,
     _SaveRecord,  # the save records of the scheduler these variants subclass
 )
+from .tiny import BlockId, Key, TinyCache, TinyCacheMetadata, TinyCacheScheduler, TinyCacheWorker
+from .tiny import block_file as tiny_block_file
 from .storage import KVBlocks, block_path, stored_events, write_block_file, write_marker
 
 __all__ = [
@@ -61,6 +66,8 @@ __all__ = [
     "DraftNeverSavedConnector",
     "OncePerStepSavesConnector",
     "StaleOutputConnector",
+    "EarlyReportConnector",
+    "RejectedKVStoredConnector",
     "IgnoresResetConnector",
     "AssumesNhdConnector",
     "AssertsCapacityConnector",
@@ -1318,8 +1325,163 @@ class StaleOutputConnector(BrokenConnector):
     worker_class = _StaleOutputWorker
 
 
+class _EarlyReportWorker(SharedStorageWorker):
+    """Saves in ``wait_for_save`` and reports the bound step's saves in its output, built
+    before wait_for_save ran under a drafter (SPD-004)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._deferred: tuple[SaveJob, ...] = ()  # the bound step's saves, run in wait_for_save
+        self._early: set[str] = set()  # of those, the ones already reported
+
+    def _start(self, meta: SharedStorageMetadata) -> None:
+        self._deferred = meta.saves
+        super()._start(msgspec.structs.replace(meta, saves=()))
+
+    def get_finished(
+        self, finished_req_ids: frozenset[str]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        sending, recving = super().get_finished(finished_req_ids)
+        # "this step's saves complete in wait_for_save, which always runs before the
+        # engine reads the output": true of the plain step only
+        early = {j.request_id for j in self._deferred if j.report}
+        self._early |= early
+        return sending | early, recving
+
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, ()
+        if not deferred:
+            return
+        saves = tuple(msgspec.structs.replace(j, report=j.request_id not in self._early)
+                      for j in deferred)
+        self._early -= {j.request_id for j in deferred}
+        super()._start(SharedStorageMetadata(saves=saves))
+        for j in saves:
+            job = self._saves.get(j.request_id)
+            if job is not None:
+                job.wait()  # bounded by the transfer's deadline
+
+    def wait_for_save(self) -> None:
+        self._run_deferred()
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._run_deferred()  # a step with no forward started its saves in the clear
+
+
+class EarlyReportConnector(BrokenConnector):
+    """Breaks SPD-004: writes a finished request's blocks in ``wait_for_save`` and reports
+    them in ``finished_sending`` in the same step's output, which under a drafter is built
+    before ``wait_for_save`` runs: the engine frees and reuses the blocks while the save
+    still reads them (the MTP hand-off of vLLM issue 55053 that sent an incomplete prompt).
+    Right in a plain step, where wait_for_save comes first."""
+
+    violates = "SPD-004"
+    selection = _SPECULATIVE
+    worker_class = _EarlyReportWorker
+
+
+class _EagerBlocksMetadata(TinyCacheMetadata, frozen=True, forbid_unknown_fields=True,
+                           tag="tinycache-eager"):
+    """Tiny's metadata, plus blocks to copy aside now and stashed blocks to store."""
+
+    stash: tuple[tuple[str, int, BlockId], ...] = ()  # (request, block index, block id)
+    commit: tuple[tuple[str, int, Key], ...] = ()  # (request, block index, key)
+
+
+class _EagerBlocksScheduler(TinyCacheScheduler):
+    """Copies a decode block aside in the step whose scheduled tokens fill it, and stores
+    the copy under the request's block hash once it finishes (SPD-005)."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._filled: dict[str, int] = {}  # request -> blocks its scheduled tokens filled
+        self._stashed: dict[str, list[int]] = {}  # request -> stashed block indexes
+        self._commit: list[tuple[str, int, str]] = []
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        for rid in scheduler_output.preempted_req_ids:
+            self._filled.pop(rid, None)
+            self._stashed.pop(rid, None)
+        meta = super().build_connector_meta(scheduler_output)
+        assert isinstance(meta, TinyCacheMetadata)
+        stash = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.running[rid]
+            # "the scheduled tokens are computed once this step ran": drafts included
+            full = min(req.computed // self.block_size, len(req.block_ids))
+            first = max(self._filled.get(rid, len(req.keys)), len(req.keys))
+            for i in range(first, full):
+                stash.append((rid, i, req.block_ids[i]))
+                self._stashed.setdefault(rid, []).append(i)
+            self._filled[rid] = max(full, first)
+        commit, self._commit = tuple(self._commit), []
+        return _EagerBlocksMetadata(loads=meta.loads, saves=meta.saves, stash=tuple(stash),
+                                    commit=commit)
+
+    def request_finished(
+        self, request: RequestView, block_ids: tuple[int, ...]
+    ) -> tuple[bool, Mapping[str, Any] | None]:
+        rid = request.request_id
+        keys = [h.hex() for h in request.block_hashes]
+        for i in self._stashed.pop(rid, []):
+            if i < len(keys) and keys[i] not in self.stored and keys[i] not in self.saving:
+                self._commit.append((rid, i, keys[i]))
+                self.saving.add(keys[i])
+        self._filled.pop(rid, None)
+        return super().request_finished(request, block_ids)
+
+
+class _EagerBlocksWorker(TinyCacheWorker):
+    """Copies the step's filled blocks aside after the forward; writes them when told."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self.slot = MetadataSlot(_EagerBlocksMetadata)
+        self._stash: dict[tuple[str, int], bytes] = {}
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        meta = self.slot.get("wait_for_save")
+        assert isinstance(meta, _EagerBlocksMetadata)
+        for rid, i, block_id in meta.stash:
+            self._stash[(rid, i)] = bytes(
+                torch.stack(self.block(block_id)).view(torch.uint8).untyped_storage())
+        for rid, i, key in meta.commit:
+            data = self._stash.pop((rid, i), None)
+            if data is not None:
+                path = tiny_block_file(self.dir, key, self.rank)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+
+
+class RejectedKVStoredConnector(TinyCache):
+    """Breaks SPD-005: copies a decode block aside in the step whose scheduled tokens fill
+    it, counting a speculative step's draft tokens computed, and stores the copy under the
+    request's block hash once the request finishes: where the target rejected the block's
+    last drafts, the stored block holds the rejected tokens' KV under the accepted
+    tokens' hash."""
+
+    violates: ClassVar[str] = "SPD-005"
+    selection: ClassVar[str] = _SPECULATIVE
+
+    @property
+    def name(self) -> str:
+        """``"broken-spd-005"``."""
+        return f"broken-{self.violates.lower()}"
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """The scheduler that stashes blocks filled by scheduled tokens."""
+        return _EagerBlocksScheduler(config)
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """The worker that copies them aside and stores them when told."""
+        return _EagerBlocksWorker(config, rank)
+
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
-                               | type[_LayerwiseBroken]
+                               | type[_LayerwiseBroken] | type[RejectedKVStoredConnector]
                                | type[UnsyncedWriterConnector] | type[StaleTensorsConnector],
                                str], ...] = tuple(
     (cls, cls.violates)
@@ -1360,6 +1522,8 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         DraftNeverSavedConnector,
         OncePerStepSavesConnector,
         StaleOutputConnector,
+        EarlyReportConnector,
+        RejectedKVStoredConnector,
     )
 )
 """Every broken variant with the clause it breaks."""
