@@ -254,6 +254,7 @@ class Engine:
         self._check_freed = False
         self._poison_alloc: list[int] = []
         self._finished_ids: list[str] = []
+        self._in_flight: set[str] = set()  # speculative steps awaiting their output
         self._inflight: tuple[list[KVConnectorOutput], list[dict[str, str]],
                               list[dict[str, Any]]] | None = None
         self._sync_loads = False
@@ -714,6 +715,7 @@ class Engine:
         plans: list[dict[str, Any]] = []
         preempted: list[str] = []
         spec: dict[str, int] = {}  # draft tokens per request (SPD-005)
+        self._in_flight.clear()  # speculative steps awaiting their output (async scheduling)
 
         def plan(r: _Req, start: int, n: int) -> None:
             counts[r.rid] = n
@@ -733,6 +735,7 @@ class Engine:
             k = 0
             if self.config.speculative and r.num_computed >= r.prompt_len:
                 if r.num_computed > r.executed:
+                    self._in_flight.add(r.rid)
                     continue  # its speculative step is in flight (async scheduling): the
                     # accepted count is not known yet, so nothing is scheduled for it
                 k = max(0, min(self.config.speculative_tokens, r.target - r.num_computed - 1,
@@ -755,6 +758,7 @@ class Engine:
             if k:  # the step writes the proposals' KV; the rejected ones are not the request's
                 plans[-1]["tokens"] = list(r.tokens[: start + 1]) + list(proposed)
                 plans[-1]["rejected"] = k - accepted
+                plans[-1]["epoch"] = r.preemptions
                 spec[r.rid] = k
                 r.rejecting = k - accepted
             r.num_computed += n  # counted computed now, the rejected subtracted later (SPD-005)
@@ -928,7 +932,10 @@ class Engine:
         need = max(0, math.ceil(tokens / self.config.block_size) - len(r.blocks))
         slots = self._window_slots(r, tokens, r.num_computed)
         while need + len(slots) > self.pool.num_free:
-            victims = [v for v in self.running if v is not r and v.rid not in scheduled]
+            # a request whose speculative step is in flight is not preempted: it is not
+            # scheduled this step only because its accepted count is not known yet
+            victims = [v for v in self.running if v is not r and v.rid not in scheduled
+                       and v.rid not in self._in_flight]
             victim = victims[-1] if victims else r
             self._preempt(victim, preempted)
             if victim is r:
@@ -1102,6 +1109,9 @@ class Engine:
         for p in plans:
             r = self.requests[p["id"]]
             rejected = p.get("rejected", 0)
+            if "rejected" in p and p.get("epoch") != r.preemptions:
+                continue  # a speculative step of before the request's preemption: its
+                # accepted count no longer applies (the request restarted from its blocks)
             if r in self.running:
                 if rejected and r.rejecting == rejected:  # vLLM subtracts the rejected
                     r.num_computed -= rejected  # draft tokens when the output arrives
