@@ -1388,6 +1388,15 @@ class _EagerBlocksMetadata(TinyCacheMetadata, frozen=True, forbid_unknown_fields
     stash: tuple[tuple[str, int, BlockId], ...] = ()  # (request, block index, block id)
     commit: tuple[tuple[str, int, Key], ...] = ()  # (request, block index, key)
 
+    @classmethod
+    def decode(cls, data: bytes) -> _EagerBlocksMetadata:
+        """Rebuild what ``encode`` wrote; MalformedMetadataError for anything else."""
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except (msgspec.MsgspecError, ValueError) as e:
+            raise MalformedMetadataError(f"tinycache-eager metadata: {e}",
+                                         clause="ERR-005") from None
+
 
 class _EagerBlocksScheduler(TinyCacheScheduler):
     """Copies a decode block aside in the step whose scheduled tokens fill it, and stores
