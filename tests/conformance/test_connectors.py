@@ -22,6 +22,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from kvspec.conformance.connectors.tiny import TinyCache
 from kvspec.conformance.connectors import (
     BROKEN_CONNECTORS,
     AsyncZeroConnector,
@@ -776,7 +777,6 @@ import sys, threading, time
 import torch
 from kvspec.conformance.connectors import SharedStorageConnector, SaveJob, SharedStorageMetadata
 from kvspec.conformance.connectors import shared_storage
-from kvspec.conformance.connectors.tiny import TinyCache
 from kvspec.protocols import (EngineConfigView, ForwardContextView, ForwardKind,
                               KVCacheLayout, KVPacking, StrideOrder, TransferRole)
 

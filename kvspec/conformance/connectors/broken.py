@@ -1380,6 +1380,11 @@ class EarlyReportConnector(BrokenConnector):
     selection = _SPECULATIVE
     worker_class = _EarlyReportWorker
 
+    @property
+    def name(self) -> str:
+        """``"broken-spd-004-early-report"`` (StaleOutputConnector breaks SPD-004 too)."""
+        return "broken-spd-004-early-report"
+
 
 class _EagerBlocksMetadata(TinyCacheMetadata, frozen=True, forbid_unknown_fields=True,
                            tag="tinycache-eager"):
