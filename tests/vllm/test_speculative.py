@@ -27,6 +27,8 @@ import pytest
 import spec_models
 from conftest import BLOCK, engine
 
+from kvspec.backends.nixl import PARAMS_KIND
+from kvspec.bench.vllm_engine import EngineError
 from kvspec.conformance.connectors.recording import Call, read_calls
 
 # Each test starts vLLM engines: not on the engine-free 0.33 lane (tests/vllm/conftest.py).
@@ -67,6 +69,24 @@ def _with_target(spec: dict[str, Any]) -> dict[str, Any]:
 
         spec["speculative"]["draft"] = {**TINY_LLAMA, **spec.get("model", {})}
     return spec
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory, vllm_logs: Path
+              ) -> Any:
+    """Per method, the result of an engine with the method's drafter and no connector
+    (one engine per method, started when a test first asks)."""
+    models = tmp_path_factory.mktemp("spec-models")
+    cache: dict[str, dict[str, Any]] = {}
+
+    def get(method: str) -> dict[str, Any]:
+        if method not in cache:
+            with engine(_with_target(_spec(method, models)), vllm_logs,
+                        f"spec-{method}-baseline") as e:
+                cache[method] = e.generate([PROMPT], max_tokens=MAX_TOKENS)[0]
+        return cache[method]
+
+    return get
 
 
 def _acceptance(result: dict[str, Any]) -> tuple[int, int, list[int]]:
@@ -115,7 +135,15 @@ def spd001_violations(calls: list[Call], target: list[str], draft: list[str]
         got = [(c.hook, c.fields.get("layer")) for c in w]
         where = f"step at record {w[0].index}: {[h for h, _ in got]}"
         layered = [g for g in got if g[0] in ("wait_for_layer_load", "save_kv_layer")]
-        if not layered:
+        forward = layered or any(c.hook == "start_load_kv" and c.fields.get("tokens")
+                                 for c in w)
+        if forward and not layered:  # a connector without per-layer hooks
+            hooks = [h for h, _ in got]
+            if hooks != ["bind_connector_metadata", "start_load_kv", "build_connector_output",
+                         "wait_for_save", "clear_connector_metadata"]:
+                bad.append(f"SPD-001: a forward step ran {where}")
+            continue
+        if not forward:
             plain = [("bind_connector_metadata", None), ("start_load_kv", None),
                      ("wait_for_save", None), ("build_connector_output", None),
                      ("clear_connector_metadata", None)]
@@ -171,7 +199,8 @@ def _registered(calls: list[Call]) -> list[str]:
 @pytest.mark.kvspec_clause("SPD-003")
 @pytest.mark.parametrize("method", ["draft_model", "eagle", "mtp"])
 def test_offload_loads_target_and_draft_kv_with_the_baselines_acceptance(
-        method: str, tmp_path: Path, vllm_logs: Path, engines: list[Any]) -> None:
+        method: str, tmp_path: Path, vllm_logs: Path, engines: list[Any],
+        baselines: Any) -> None:
     """SPD-003: a loaded request drafts as a computed one (same tokens, same acceptance as
     an engine without a connector), and noise over only the draft layers' stored bytes
     changes the acceptance, not the target's tokens. SPD-001/SPD-002: the hooks the kvspec
@@ -179,8 +208,7 @@ def test_offload_loads_target_and_draft_kv_with_the_baselines_acceptance(
     draft pass, with several passes per step."""
     t0 = time.perf_counter()
     spec = _with_target(_spec(method, tmp_path / "models"))
-    with engine(spec, vllm_logs, f"spec-{method}-baseline") as e:
-        base = e.generate([PROMPT], max_tokens=MAX_TOKENS)[0]
+    base = baselines(method)
     acc = _acceptance(base)
     assert acc[1] > 0 and acc[0] > 0, f"{method}: the drafter proposes nothing useful: {acc}"
     record = tmp_path / f"{method}.jsonl"
@@ -214,3 +242,45 @@ def test_offload_loads_target_and_draft_kv_with_the_baselines_acceptance(
           f"loaded ({LOADED} tokens); {_acceptance(noisy)[0]}/{_acceptance(noisy)[1]} with "
           f"noise over {draft}; {len(passes)} forward steps, draft passes per step "
           f"{sorted(set(passes))}; {time.perf_counter() - t0:.1f} s")
+
+
+def _pd(spec: dict[str, Any], role: str) -> dict[str, Any]:
+    return {**spec, "factory": "kvspec.backends.nixl:NixlConnector", "kv_role": role}
+
+
+@pytest.mark.kvspec_clause("SPD-003")
+def test_nixl_hand_off_to_a_drafting_decode_engine(
+        tmp_path: Path, vllm_logs: Path, engines: list[Any], baselines: Any) -> None:
+    """SPD-003 over P/D: a prefill engine running the same drafter (``draft_model``) hands
+    off the prompt; the decode engine READs 192 tokens of target and draft KV over NIXL and
+    generates the baseline's tokens with the baseline's acceptance. A prefill engine
+    without the drafter has no draft layers to hand off: the NIXL backend refuses the
+    pairing at the handshake (HSK-003: 4 layer storages here, 2 at the peer), as vLLM's
+    own NixlConnector does (its handshake check fails the request); neither recomputes
+    the draft layers, so the producer must run the decode side's drafter."""
+    t0 = time.perf_counter()
+    spec = _with_target(_spec("draft_model", tmp_path))
+    base = baselines("draft_model")
+    prefill = engine(_pd(spec, "kv_producer"), vllm_logs, "spec-pd-prefill")
+    engines.append(prefill)
+    decode = engine(_pd(spec, "kv_consumer"), vllm_logs, "spec-pd-decode")
+    engines.append(decode)
+    out = prefill.generate([PROMPT], max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}])
+    params = [r["kv_transfer_params"] for r in out]
+    assert all(p and p["kind"] == PARAMS_KIND for p in params), params
+    got = decode.generate([PROMPT], max_tokens=MAX_TOKENS, kv_transfer_params=params)[0]
+    assert got["num_cached_tokens"] == LOADED
+    assert got["tokens"] == base["tokens"]
+    assert _acceptance(got) == _acceptance(base), (
+        f"SPD-003: the decode engine drafted {_acceptance(got)} after the hand-off, "
+        f"{_acceptance(base)} without a connector")
+    prefill.close()
+    plain = engine(_pd({}, "kv_producer"), vllm_logs, "spec-pd-prefill-no-drafter")
+    engines.append(plain)
+    out = plain.generate([PROMPT], max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}])
+    with pytest.raises(EngineError, match=r"HSK-003.*storage_layers differs: 4 here, 2"):
+        decode.generate([PROMPT], max_tokens=MAX_TOKENS,
+                        kv_transfer_params=[r["kv_transfer_params"] for r in out], timeout_s=120)
+    print(f"\nP/D with draft_model: {LOADED} tokens read, acceptance "
+          f"{_acceptance(got)[0]}/{_acceptance(got)[1]} as without a connector; a producer "
+          f"without the drafter refused (HSK-003); {time.perf_counter() - t0:.1f} s")
