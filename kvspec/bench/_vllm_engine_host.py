@@ -48,12 +48,8 @@ def _answer(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def _engine(spec: dict[str, Any]) -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # In this process by default; ``"engine_core_process": true`` runs vLLM's default
-    # layout, the engine core in a child process (the probes then reach only this one).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("engine_core_process") else "0"
-    config = {**TINY_LLAMA, **spec.get("model", {})}
+def _model_dir(config: dict[str, Any]) -> str:
+    """A directory holding ``config`` as its ``config.json``, one per config."""
     text = json.dumps(config, sort_keys=True)
     # One directory per model config: engines that must agree on the model (a prefill and a
     # decode engine: vLLM's NIXL connector hashes the model path into its compatibility
@@ -67,6 +63,15 @@ def _engine(spec: dict[str, Any]) -> Any:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
+    return model_dir
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # In this process by default; ``"engine_core_process": true`` runs vLLM's default
+    # layout, the engine core in a child process (the probes then reach only this one).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("engine_core_process") else "0"
+    model_dir = _model_dir({**TINY_LLAMA, **spec.get("model", {})})
     from kvspec.vllm.offline import offline_llm
 
     engine_args: dict[str, Any] = dict(
@@ -78,6 +83,12 @@ def _engine(spec: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20), seed=0,
         enable_prefix_caching=spec.get("prefix_caching", False),
     )
+    if "speculative" in spec:  # vLLM's speculative_config; "draft": the drafter's config.json
+        speculative = dict(spec["speculative"])
+        if "draft" in speculative:
+            speculative["model"] = _model_dir(dict(speculative.pop("draft")))
+        engine_args["speculative_config"] = speculative
+        engine_args["per_request_spec_decode_metrics"] = "detailed"  # acceptance per request
     if "disable_hma" in spec:  # vLLM's hybrid KV-cache allocator off (True) or forced on
         engine_args["disable_hybrid_kv_cache_manager"] = bool(spec["disable_hma"])
     return offline_llm(model_dir, factory=spec.get("factory"),

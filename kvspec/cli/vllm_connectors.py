@@ -32,6 +32,11 @@ def register(commands: Commands) -> None:
                     help="run nothing: rewrite the page from the kept runs")
     vc.add_argument("--out", default="docs/vllm-connectors.md", metavar="PATH",
                     help="the page to write (default docs/vllm-connectors.md)")
+    vc.add_argument("--speculative", action="store_true",
+                    help="run only the suite's speculative-decoding class (kvspec conform "
+                         "vllm:NAME -- -k TestSpeculative) for the connectors named (default: "
+                         "ExampleConnector NixlConnector); write "
+                         "docs/vllm-connectors-speculative.md")
     vc.add_argument("--keep-reports", metavar="DIR",
                     help="also keep each connector's JSON conform report as DIR/NAME.json")
     vc.set_defaults(func=run)
@@ -49,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     argv = ["--out", args.out, *args.names]
     if args.render_only:
         argv.append("--render-only")
+    if args.speculative:
+        argv.append("--speculative")  # the page: docs/vllm-connectors-speculative.md
     if args.keep_reports:
         argv += ["--keep-reports", args.keep_reports]
     return certify(argv)

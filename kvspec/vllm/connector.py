@@ -78,6 +78,29 @@ def _extra_of(vllm_config: Any) -> Any:
     return None if xfer is None else xfer.kv_connector_extra_config
 
 
+def _warn_if_draft_kv_unsaved(vllm_config: Any, name: str) -> None:
+    """SPD-001, SPD-003: with a drafter, vLLM must call ``wait_for_save`` and the clear
+    after the draft passes. Model runner V2 does so from 0.33 only
+    (``Release.drafter_outputs_before_save_v2``); before, the draft layers' per-layer hooks
+    find no metadata bound and their KV is never saved, so a request that loads its prefix
+    drafts from KV no one stored."""
+    if getattr(vllm_config, "speculative_config", None) is None:
+        return
+    try:
+        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except ValueError:  # a contradictory runner setting: vLLM refuses it itself
+        return
+    finalizes_late = (_RELEASE.drafter_outputs_before_save_v2 if v2
+                      else _RELEASE.drafter_outputs_before_save_v1)
+    if not finalizes_late:
+        log.warning(
+            "connector %r: vLLM %s's model runner %s clears the connector metadata before "
+            "the drafter runs: the draft layers' KV is never saved, and a request that loads "
+            "its prefix drafts from KV no one stored (kvspec SPD-001, SPD-003); model runner "
+            "V2 finalizes after the drafter from vLLM 0.33 on", name, _RELEASE.name,
+            "V2" if v2 else "V1")
+
+
 class _Clock:
     """Time the adapter spends translating, per role, for ``adapter_overhead()``."""
 
@@ -157,6 +180,8 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._output_extra: tuple[Any, ...] | None = None
         self._shut = False
         _LIVE.add(self)
+        if role != KVConnectorRole.SCHEDULER:
+            _warn_if_draft_kv_unsaved(vllm_config, self._factory.name)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
             log.warning("kv_load_failure_policy=%r: vLLM fails a request whose KV load failed "

@@ -44,7 +44,9 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
     """Generate greedily for each prompt (token ids), one request at a time (per-request
     latency) or, with ``batch``, all at once (requests share steps and may preempt each
     other); per request ``tokens``, ``num_cached_tokens``, ``kv_transfer_params``,
-    ``seconds`` and vLLM's ``ttft``."""
+    ``seconds``, vLLM's ``ttft`` and, with speculative decoding and vLLM's per-request
+    metrics on (``per_request_spec_decode_metrics``), ``spec_decode``: its acceptance
+    counts (``num_draft_tokens``, ``num_accepted_draft_tokens``, ...), else None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -69,8 +71,14 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
              "num_cached_tokens": out.num_cached_tokens,
              "kv_transfer_params": out.kv_transfer_params,
              "seconds": elapsed,
-             "ttft": getattr(getattr(out, "metrics", None), "first_token_latency", None)}
+             "ttft": getattr(getattr(out, "metrics", None), "first_token_latency", None),
+             "spec_decode": _spec_decode(out)}
             for out, elapsed in timed]
+
+
+def _spec_decode(out: Any) -> dict[str, Any] | None:
+    metrics = getattr(out.outputs[0], "spec_decode_metrics", None)
+    return None if metrics is None else dict(metrics.to_dict())
 
 
 def engine_connectors(llm: Any) -> list[Any]:

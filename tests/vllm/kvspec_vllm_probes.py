@@ -197,3 +197,44 @@ def loaded_group_answers(llm: Any) -> list[list[int]]:
     """The answers ``record_loaded_groups`` recorded, in call order."""
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     return list(conn._kvspec_loaded_answers)
+
+
+def _offload_pool() -> Any:
+    """The offload backend's host pool behind the worker-side adapter, through a
+    recording wrapper if there is one."""
+    worker = _worker_connector().kvspec_worker
+    worker = getattr(worker, "_inner", worker)
+    return worker.pool
+
+
+def draft_layers(llm: Any) -> list[str]:
+    """The attention layers the drafter added (vLLM's proposer keeps their names), in the
+    order the adapter registered them."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    names = set(runner.drafter._draft_attn_layer_names)
+    return [n for n in _worker_connector().registered_kv_caches if n in names]
+
+
+def corrupt_offload_layers(llm: Any, layers: list[str], seed: int = 0) -> int:
+    """Overwrite with noise only the bytes ``layers`` hold in every slot of the offload
+    backend's host pool (one KV-cache group, a layer-outermost layout: each layer storage
+    is a contiguous run of regions in a slot); return how many bytes were overwritten."""
+    pool = _offload_pool()
+    conn = _worker_connector()
+    caches = conn.registered_kv_caches
+    lay = conn.registered_layout
+    if pool.path != "rows" or not pool.layer_chunks:
+        raise RuntimeError(f"the pool's {pool.path!r} path has no per-layer chunks")
+    base = min(t.data_ptr() for t in caches.values())
+    slots = pool._host_blocks
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    for name in layers:
+        storage = (caches[name].data_ptr() - base) // lay.layer_stride_bytes
+        lo, hi = pool.layer_chunks[storage]
+        part = slots[:, lo:hi]
+        raw = part.contiguous().view(torch.uint8)
+        noise = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen)
+        slots[:, lo:hi] = noise.view(part.dtype).view(part.shape)
+        n += raw.numel()
+    return n

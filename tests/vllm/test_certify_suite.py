@@ -178,3 +178,44 @@ def test_a_hybrid_allocator_connector_runs_the_hybrid_suite(tmp_path: Path) -> N
     report = json.loads(proc.stdout)
     assert report["connectors"][0]["capabilities"]["kv_cache_groups"] == 1
     assert [t["outcome"] for t in report["tests"]] == ["skip"]
+
+
+SPECULATIVE_PAGE = ROOT / "docs" / "vllm-connectors-speculative.md"
+
+
+def test_the_speculative_certification_renders_only_its_runs(tmp_path: Path) -> None:
+    """``kvspec vllm-connectors --speculative --render-only``: the page of the kept
+    speculative runs (``-k TestSpeculative``), titled so, listing only the connectors that
+    have one, and leaving the main page's runs alone."""
+    from kvspec.vllm.certify.report import (
+        SPECULATIVE_DATA,
+        SPECULATIVE_SELECTION,
+        load_run,
+        main,
+        save_run,
+    )
+
+    assert SPECULATIVE_SELECTION == ("-k", "TestSpeculative")
+    kept = load_run("ExampleConnector", ROOT / "docs" / "vllm-connectors-data" / SPECULATIVE_DATA)
+    assert kept.report is not None
+    assert all("TestSpeculative" in t["key"] for t in kept.report["tests"])
+    save_run(kept, tmp_path / SPECULATIVE_DATA)
+    out = tmp_path / "page.md"
+    assert main(["--speculative", "--render-only", "--data", str(tmp_path),
+                 "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.startswith("# vLLM's connectors under kvspec's suite, speculative decoding on")
+    assert "-k TestSpeculative" in page
+    rows = [ln for ln in page.splitlines() if ln.startswith("| ") and " s |" in ln]
+    assert [r.split("|")[1].strip() for r in rows] == ["ExampleConnector"], rows
+
+
+def test_the_published_speculative_page_explains_every_failure() -> None:
+    """docs/vllm-connectors-speculative.md (``kvspec vllm-connectors --speculative``): every
+    failure it shows is explained by a finding kvspec ships."""
+    text = SPECULATIVE_PAGE.read_text()
+    assert "UNEXPLAINED" not in text and "speculative decoding on" in text
+    ids = {f.id for f in FINDINGS}
+    shown = {line.split(":")[0].removeprefix("#### ") for line in text.splitlines()
+             if line.startswith("#### ")}
+    assert shown <= ids
