@@ -29,7 +29,7 @@ from conftest import BLOCK, engine
 
 from kvspec.backends.nixl import PARAMS_KIND
 from kvspec.bench.vllm_engine import EngineError
-from kvspec.conformance.connectors.recording import Call, read_calls
+from kvspec.conformance.connectors.recording import Call, check_step_order, read_calls
 
 # Each test starts vLLM engines: not on the engine-free 0.33 lane (tests/vllm/conftest.py).
 pytestmark = pytest.mark.needs_engine
@@ -237,6 +237,12 @@ def test_offload_loads_target_and_draft_kv_with_the_baselines_acceptance(
     target = [n for n in layers if n not in draft]
     bad, passes = spd001_violations(calls, target, draft)
     assert bad == [], "\n".join(bad[:5])
+    # kvspec's own order check (the one the suite's recorder runs) agrees with vLLM's steps
+    for w in _windows(calls):
+        seq = [(c.hook, c.fields["layer"]) if "layer" in c.fields else c.hook for c in w]
+        wrong = check_step_order(seq, target_layers=target, draft_layers=draft,
+                                 draft_passes=None)
+        assert wrong == [], f"{method}: check_step_order refused a vLLM step {seq}: {wrong}"
     assert max(passes) == PASSES[method], passes
     print(f"\n{method}: acceptance {acc[0]}/{acc[1]} without a connector, computed and "
           f"loaded ({LOADED} tokens); {_acceptance(noisy)[0]}/{_acceptance(noisy)[1]} with "

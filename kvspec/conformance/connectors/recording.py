@@ -480,9 +480,21 @@ def check_step_order(calls: Sequence[str | tuple[str, str]], *, target_layers: S
                     index(per_layer[min(len(want_target), len(per_layer) - 1)])))
     if at["start_load_kv"] and per_layer:
         s = at["start_load_kv"][0]
-        last = per_layer[-1]
+        # the forward's layers: the target's; a speculative step's draft passes come after
+        # the output hooks, and a late start precedes them (SPD-001, measured in vLLM 0.32)
+        forward_layers = ([k for k in per_layer if k not in set(draft_hooks)]
+                          if speculative else per_layer)
+        last = forward_layers[-1] if forward_layers else first
         if first < s < last:
             out.append(Violation("WRK-004", "start_load_kv ran between two layers", index(s)))
+        if speculative and draft_hooks and s > draft_hooks[0]:
+            out.append(Violation("SPD-001", "start_load_kv ran after a draft pass began; in a "
+                                 "speculative step it comes before the target's layers or "
+                                 "right after them, before the output hooks", index(s)))
+        if speculative and at["build_connector_output"] and s > at["build_connector_output"][0]:
+            out.append(Violation("SPD-001", "start_load_kv ran after the output hooks; in a "
+                                 "speculative step it comes before the target's layers or "
+                                 "right after them, before the output hooks", index(s)))
         if sync_load and s > first:
             out.append(Violation("WRK-004", "the step has synchronous loads but "
                                  "start_load_kv ran after the first layer", index(s)))

@@ -183,6 +183,11 @@ def test_check_step_order_plain_and_ngram_and_no_forward() -> None:
                             forward=False) == []
     # the output built after the clear is not part of the bound step
     assert check_step_order(plain[:-2] + plain[-1:], target_layers=T) == []
+    # vLLM 0.32's late start under a drafter: right after the target's forward, before the
+    # output hooks and the draft passes (measured; WRK-004, SPD-001)
+    late = (_layers(T) + ["start_load_kv", "build_connector_output"] + _layers(D) * 2
+            + ["wait_for_save"])
+    assert check_step_order(late, target_layers=T, draft_layers=D, draft_passes=2) == []
 
 
 _WRONG: list[tuple[str, list[str | tuple[str, str]], dict[str, Any], str]] = [
@@ -226,6 +231,12 @@ _WRONG: list[tuple[str, list[str | tuple[str, str]], dict[str, Any], str]] = [
     ("start_load_kv between the target's layers",
      _layers(T[:1]) + ["start_load_kv"] + _layers(T[1:]) + ["build_connector_output"]
      + _layers(D) * 2 + ["wait_for_save"], {"draft_passes": 2}, "WRK-004"),
+    ("start_load_kv after the output hooks",
+     _layers(T) + ["build_connector_output", "start_load_kv"] + _layers(D) * 2
+     + ["wait_for_save"], {"draft_passes": 2}, "SPD-001"),
+    ("start_load_kv between two draft passes",
+     _layers(T) + ["build_connector_output"] + _layers(D) + ["start_load_kv"] + _layers(D)
+     + ["wait_for_save"], {"draft_passes": 2}, "SPD-001"),
     ("wait_for_save twice",
      ["start_load_kv"] + _layers(T) + ["build_connector_output"] + _layers(D) * 2
      + ["wait_for_save", "wait_for_save"], {"draft_passes": 2}, "WRK-007"),
