@@ -623,13 +623,6 @@ class OffloadScheduler(SchedulerConnector):
         # slot's block when the store read it at that boundary (``_with_state``); a match
         # ends only at such a key (STG-003).
         self._state_ids = frozenset(config.state_group_ids) if self._groups else frozenset()
-        for g in self._state_ids:
-            caching = groups[g].state_caching
-            if caching is not StateCaching.RUNNING:
-                raise CapabilityError(
-                    f"KV-cache group {g} keeps its states {caching and caching.value} "
-                    "(vLLM's prefix caching on); the offload backend stores states only "
-                    "under RUNNING caching (prefix caching off) so far", clause="STG-008")
         self._with_state: set[bytes] = set()
         self._partial: set[bytes] = set()  # stored (or storing) without some group's bytes
         self._inflight: dict[bytes, tuple[int, int]] = {}  # storing: key -> (slot, tag)
