@@ -76,12 +76,8 @@ def test_clause_ids_cited_in_the_code_exist() -> None:
 
 PENDING_MUST: dict[str, str] = {
     # Clauses no test or harness check covers yet; listed in docs/spec/index.md too.
-    "STG-003": "harness state group in progress (issue 50)",
-    "STG-005": "harness state group in progress (issue 50)",
     "STG-006": "harness state group in progress (issue 50)",
     "STG-009": "harness state group in progress (issue 50)",
-    "STG-013": "harness state group in progress (issue 50)",
-    "STG-014": "harness state group in progress (issue 50)",
     "STG-004": "the harness does not rewind asynchronous full-prompt matches yet (issue 50)",
     "STG-010": "no state layout in the harness's handshake yet (issue 50)",
     "STG-011": "no heterogeneous-TP state in the harness yet (issue 50)",
