@@ -1,6 +1,6 @@
 """The harness's state group (issue 50): a RUNNING state group beside the attention layers,
 its toy recurrent state read and checked before every step and written after (STG-002,
-STG-003), new attention blocks zeroed (STG-009); StateCache moves attention and state; planted
+STG-003), new attention blocks zeroed; StateCache moves attention and state; planted
 bugs are named by their clause."""
 
 from __future__ import annotations
