@@ -32,7 +32,7 @@ from kvspec.protocols import (
 MAMBA2 = (("conv", (3, 160), torch.float32), ("ssm", (4, 32, 16), torch.float32))
 
 
-# clause STG-001 (registered in the STG commit)
+@pytest.mark.kvspec_clause("STG-001")
 def test_state_group_defaults_to_running_caching_and_other_kinds_keep_no_state() -> None:
     g = KVCacheGroup(GroupKind.STATE, 512, ("m.0",))
     assert g.state_caching is StateCaching.RUNNING and g.num_scratch_blocks == 0
@@ -50,7 +50,7 @@ def test_state_group_defaults_to_running_caching_and_other_kinds_keep_no_state()
         KVCacheGroup(GroupKind.STATE, 16, ("a",), num_scratch_blocks=-1)
 
 
-# clause STG-002 (registered in the STG commit)
+@pytest.mark.kvspec_clause("STG-002")
 @given(bs=st.integers(1, 64), n=st.integers(0, 3000))
 def test_state_index_is_the_block_of_the_boundary_after_exactly_n_tokens(bs: int, n: int) -> None:
     """Block p holds the state after (p+1)*bs tokens (vLLM's align invariant): the state
@@ -68,7 +68,7 @@ def test_state_index_is_the_block_of_the_boundary_after_exactly_n_tokens(bs: int
         KVCacheGroup(GroupKind.FULL, bs, ("a",)).state_index(n)
 
 
-# clause STG-015 (registered in the STG commit)
+@pytest.mark.kvspec_clause("STG-015")
 def test_refusing_a_state_group_never_advises_disabling_the_hybrid_allocator() -> None:
     groups = (KVCacheGroup(GroupKind.FULL, 16, ("a",)), KVCacheGroup(GroupKind.STATE, 16, ("m",)))
     with pytest.raises(CapabilityError) as e:
@@ -86,7 +86,7 @@ def test_refusing_a_state_group_never_advises_disabling_the_hybrid_allocator() -
     assert "--disable-hybrid-kv-cache-manager) or use" in e.value.message
 
 
-# clause STG-001 (registered in the STG commit)
+@pytest.mark.kvspec_clause("STG-001")
 def test_state_layout_packs_components_at_consecutive_offsets_and_pads_the_page() -> None:
     lay = StateLayout.contiguous(MAMBA2, 10, page_pitch_bytes=32768, conv_layout=ConvLayout.SD)
     assert [c.byte_offset for c in lay.components] == [0, 3 * 160 * 4]
@@ -120,7 +120,7 @@ def test_state_layout_rejects_a_tensor_it_does_not_describe() -> None:
             lay.check_tensor(t)
 
 
-# clause STG-001 (registered in the STG commit)
+@pytest.mark.kvspec_clause("STG-001")
 def test_state_layout_is_validated() -> None:
     conv = StateComponent("conv", (3, 4), torch.float16, 0)
     assert conv.nbytes == 24
@@ -145,7 +145,7 @@ def test_state_layout_is_validated() -> None:
         StateLayout((conv, StateComponent("conv", (1,), torch.int8, 24)), 25, 32, 4, 4)
 
 
-# clause STG-010 (registered in the STG commit)
+# (peers refusing a differing layout is pending: this checks the comparison only)
 def test_same_state_as_compares_meaning_not_placement() -> None:
     a = StateLayout.contiguous(MAMBA2, 10, page_pitch_bytes=32768, conv_layout=ConvLayout.SD)
     b = StateLayout.contiguous(MAMBA2, 99, page_pitch_bytes=10112, conv_layout=ConvLayout.SD,

@@ -15,7 +15,7 @@ from kvspec.spec._render import render_area, sync_docs
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "docs" / "spec"
 HEADING = re.compile(r"^### ([A-Z]{3}-\d{3}): (.+?) \{ #([a-z]{3}-\d{3}) \}$", re.M)
-CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|SPD|DRY|GRA|HSK|STO|ERR)-(\d{3})\b")
+CITED = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|SPD|STG|DRY|GRA|HSK|STO|ERR)-(\d{3})\b")
 
 
 def _doc_clauses() -> dict[str, tuple[Path, str]]:
@@ -76,6 +76,12 @@ def test_clause_ids_cited_in_the_code_exist() -> None:
 
 PENDING_MUST: dict[str, str] = {
     # Clauses no test or harness check covers yet; listed in docs/spec/index.md too.
+    "STG-006": "no planted late-read bug yet (issue 50)",
+    "STG-009": "the harness zeroes, but no planted write-before-zeroing bug yet: kvspec's handle_preemptions gets no metadata (issue 50)",
+    "STG-004": "the harness does not rewind asynchronous full-prompt matches yet (issue 50)",
+    "STG-010": "no state layout in the harness's handshake yet (issue 50)",
+    "STG-011": "no heterogeneous-TP state in the harness yet (issue 50)",
+    "STG-012": "no rank without attention data in the harness yet (issue 50)",
 }
 
 
