@@ -558,7 +558,8 @@ class OffloadWorker(WorkerConnector):
                 raise InvalidArgumentError(
                     f"request {job.request_id!r} already has a load in flight", clause="SCH-013",
                 )
-            plans.append(self._plan(pool, job))  # range checks (LAY-012) happen here
+            plans.append(self._plan(pool, job, self._attention_ids) if self._state_ids
+                         else self._plan(pool, job))  # range checks (LAY-012) happen here
         event = None
         if self._stream is not None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -601,19 +602,22 @@ class OffloadWorker(WorkerConnector):
         self._stuck = [j for j in self._stuck if j.lock.locked()]
         return self._stuck[0] if self._stuck else None
 
-    def _plan(self, pool: HostPool, job: TransferJob) -> CopyPlan | None:
+    @staticmethod
+    def _plan(pool: HostPool, job: TransferJob,
+              attention: tuple[int, ...] | None = None) -> CopyPlan | None:
         """Check and plan ``job``'s copy: every block of a store; a load's blocks that have
         a slot (a slot of -1 was evicted: that block fails). None when nothing moves.
+        ``attention``: the attention groups' indices when the engine has state groups (their
+        columns move apart, ``StatePool``); None: every group is an attention group.
 
         Raises:
             InvalidBlockIdError: a block id outside the budget (LAY-012).
             OffloadCapacityError: a slot outside the pool (ERR-002).
         """
-        attention = self._attention_ids
         if job.groups:  # a load that lacks a block fails as a whole (KVG-005)
             # The attention groups' columns; a state group's blocks move apart (StatePool).
-            columns = [job.groups[g] for g in range(len(job.groups))
-                       if g in attention] if pool.columns else []
+            columns = [c for g, c in enumerate(job.groups)
+                       if attention is None or g in attention] if pool.columns else []
             if -1 in job.slots:
                 pool.plan(job.block_ids, [0] * len(job), checked=True, columns=columns)
                 return None
