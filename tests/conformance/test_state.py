@@ -10,23 +10,16 @@ import os
 import pytest
 
 from kvspec.conformance.connectors.null import NullConnector
-from kvspec.conformance.connectors.state import (
-    StateCache,
-    StateCacheScheduler,
-    StateCacheWorker,
-    state_key,
+from kvspec.conformance.connectors.broken import (
+    FullPromptStateConnector,
+    LateStateReadConnector,
+    LayerHookStateConnector,
+    LowerBoundaryStateConnector,
 )
+from kvspec.conformance.connectors.state import StateCache
 from kvspec.conformance.harness import Engine, HarnessConfig, RequestSpec, Workload
 from kvspec.conformance.harness.scenarios import SCENARIOS
-from kvspec.protocols import (
-    ContractViolation,
-    EngineConfigView,
-    GroupKind,
-    InvalidArgumentError,
-    SchedulerConnector,
-    StateCaching,
-    WorkerConnector,
-)
+from kvspec.protocols import ContractViolation, GroupKind, InvalidArgumentError, StateCaching
 
 PROMPT = tuple(range(300, 322))
 
@@ -68,54 +61,11 @@ def test_statecache_loads_attention_and_the_state_after_exactly_n(
         assert e._matched == {"b": 16}
 
 
-class _LowerBoundaryScheduler(StateCacheScheduler):
-    """Loads the state of the boundary one block below the match (STG-003)."""
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if self.state_loads:
-            block, key = self.state_loads[-1]
-            keys = [h.hex() for h in request.block_hashes]
-            below = [j for j in range(keys.index(key[:-1])) if self.on_disk(state_key(keys[j]))]
-            if below:  # the highest stored boundary below the match
-                self.state_loads[-1] = (block, state_key(keys[below[-1]]))
-
-
-class LowerBoundaryState(StateCache):
-    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        return _LowerBoundaryScheduler(config)
-
-
-class _LayerHookWorker(StateCacheWorker):
-    """Saves state only from save_kv_layer, which state layers never get (STG-005), and
-    loads whatever it has, silently."""
-
-    def wait_for_save(self) -> None:
-        super(StateCacheWorker, self).wait_for_save()  # attention only
-
-    def start_load_kv(self, forward_context):  # type: ignore[no-untyped-def]
-        super(StateCacheWorker, self).start_load_kv(forward_context)  # attention only
-
-
-class _NoStateCheckScheduler(StateCacheScheduler):
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # type: ignore[no-untyped-def]
-        return StateCacheScheduler.__mro__[1].get_num_new_matched_tokens(  # TinyCache's
-            self, request, num_computed_tokens)
-
-
-class LayerHookState(StateCache):
-    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
-        return _NoStateCheckScheduler(config)
-
-    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
-        return _LayerHookWorker(config, rank)
-
-
 @pytest.mark.kvspec_clause("STG-003")
 def test_a_state_from_a_lower_boundary_is_stg003(tmp_path: os.PathLike[str]) -> None:
     prompt = tuple(range(300, 330))  # boundaries at 8, 16, 24 stored
     with pytest.raises(ContractViolation) as info:
-        with Engine(LowerBoundaryState(), _cfg(), tmpdir=str(tmp_path)) as e:
+        with Engine(LowerBoundaryStateConnector(), _cfg(), tmpdir=str(tmp_path)) as e:
             e.run(Workload([RequestSpec("a", prompt, max_new_tokens=2)]))
             e.run(Workload([RequestSpec("b", prompt, max_new_tokens=2)]))
     assert info.value.clause == "STG-003" and "state after 16 tokens" in info.value.observed
@@ -124,7 +74,44 @@ def test_a_state_from_a_lower_boundary_is_stg003(tmp_path: os.PathLike[str]) -> 
 @pytest.mark.kvspec_clause("STG-005")
 def test_a_state_saved_only_from_layer_hooks_is_stg005(tmp_path: os.PathLike[str]) -> None:
     with pytest.raises(ContractViolation) as info:
-        with Engine(LayerHookState(), _cfg(), tmpdir=str(tmp_path)) as e:
+        with Engine(LayerHookStateConnector(), _cfg(), tmpdir=str(tmp_path)) as e:
             e.run(Workload([RequestSpec("a", PROMPT, max_new_tokens=2)]))
             e.run(Workload([RequestSpec("b", PROMPT, max_new_tokens=2)]))
     assert info.value.clause == "STG-005"
+
+
+@pytest.mark.kvspec_clause("STG-006")
+def test_a_state_read_one_step_late_is_stg006(tmp_path: os.PathLike[str]) -> None:
+    """Stored after the next forward updated the block in place: the state after 30
+    tokens under the key of 24."""
+    prompt = tuple(range(300, 330))
+    with pytest.raises(ContractViolation) as info:
+        with Engine(LateStateReadConnector(), _cfg(), tmpdir=str(tmp_path)) as e:
+            e.run(Workload([RequestSpec("a", prompt, max_new_tokens=2)]))
+            e.run(Workload([RequestSpec("b", prompt, max_new_tokens=2)]))
+    assert info.value.clause == "STG-006" and "state after 30 tokens" in info.value.observed
+
+
+@pytest.mark.kvspec_clause("STG-004")
+def test_an_async_full_prompt_match_with_a_state_group_is_stg004(
+        tmp_path: os.PathLike[str]) -> None:
+    """vLLM 0.32 rewinds an asynchronous match of all 24 prompt tokens to 23: the last
+    token is applied to the loaded state (after 24) a second time."""
+    prompt = tuple(range(300, 330))
+    with Engine(FullPromptStateConnector(), _cfg(), tmpdir=str(tmp_path)) as e:
+        e.run(Workload([RequestSpec("a", prompt, max_new_tokens=2)]))
+        again = e.run(Workload([RequestSpec("b", prompt, max_new_tokens=2)]))
+        assert again.external_tokens == {"b": 24}  # not a full prompt: right
+        with pytest.raises(ContractViolation) as info:
+            e.run(Workload([RequestSpec("c", prompt[:24], max_new_tokens=2)]))
+    assert info.value.clause == "STG-004" and "after all 24 tokens" in info.value.observed
+
+
+def test_statecache_never_matches_a_whole_prompt(tmp_path: os.PathLike[str]) -> None:
+    """The control: StateCache leaves a prompt of whole blocks a token to compute, at the
+    boundary below whose state it holds."""
+    prompt = tuple(range(300, 330))
+    with Engine(StateCache(), _cfg(), tmpdir=str(tmp_path)) as e:
+        e.run(Workload([RequestSpec("a", prompt, max_new_tokens=2)]))
+        result = e.run(Workload([RequestSpec("c", prompt[:24], max_new_tokens=2)]))
+    assert result.external_tokens == {"c": 16}

@@ -86,7 +86,8 @@ def test_offload_stores_and_loads_the_state_of_nemotron_h(
     second = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
     assert [r["num_cached_tokens"] for r in second] == full
     assert [r["tokens"] for r in second] == baseline
-    # KVG-009 / STG-009: every group the load restores, the state group included.
+    # KVG-009 (and the zeroing clause's get_loaded_kv_cache_group_ids part, still pending):
+    # every group the load restores, the state group included.
     assert e.call(f"{PROBES}:loaded_group_answers") == [[0, 1]] * len(PROMPTS)
     # STG-005: vLLM calls per-layer hooks for the attention layer only.
     assert e.call(f"{PROBES}:layer_hooks") == ["model.layers.1.mixer.attn"]

@@ -621,9 +621,12 @@ class WorkerRuntime:
         state block (index ``state_index(start + n)`` = 0 under RUNNING caching, STG-002),
         check it is the state after exactly its ``start`` computed tokens, and write the
         state after ``start + n``. A wrong state right after a load is named by what it is:
-        the state after fewer tokens (STG-003), a block the connector never wrote (STG-005
+        the state after fewer tokens (STG-003), the state after more (STG-006: read after
+        a later forward updated it in place), a block the connector never wrote (STG-005
         locally, STG-013 after an asynchronous load, STG-014 on a consumer), anything else
-        (STG-003); a wrong state with no load before it is a write into a running request's
+        (STG-003); the state after the whole prompt when an asynchronous full-prompt match
+        was rewound by one token, as vLLM 0.32 rewinds it (STG-004: that token is applied
+        twice); a wrong state with no load before it is a write into a running request's
         state (STG-002)."""
         assert self.state_layout is not None
         dtype = self.layout.dtype
@@ -650,6 +653,14 @@ class WorkerRuntime:
         loaded = r["ext"][1] > r["ext"][0] and start == r["ext"][1]
         where = (f"request {r['id']!r}: state layer {name} (block {b}, rank {self.rank}) "
                  f"held, when the step's forward read it after {start} computed tokens")
+        if (r.get("loaded_async") and r["ext"][1] > r["ext"][0] and start == r["ext"][1] - 1
+                and got == walk[start + 1]):  # vLLM 0.32 rewinds an async full-prompt hit
+            return {"clause": "STG-004", "observed": f"{where}, the state after all "
+                    f"{start + 1} tokens: an asynchronous match covered the whole prompt, "
+                    "the engine rewound it by one token to sample, and the forward applies "
+                    "that token to the loaded state a second time", "expected": "with a "
+                    "state group, a match (synchronous or asynchronous) that leaves at "
+                    "least one prompt token to compute"}
         if not loaded:
             return {"clause": "STG-002", "observed": f"{where}, not the state the previous "
                     "step left: something wrote a running request's state block",
@@ -661,6 +672,13 @@ class WorkerRuntime:
             return {"clause": "STG-003", "observed": f"{where}, the state after {fewer[-1]} "
                     f"tokens: a match of {start - r['ext'][0]} tokens loaded a state from a "
                     "lower boundary", "expected": f"the state after exactly {start} tokens"}
+        more = [k for k in range(start + 1, len(walk)) if walk[k] == got]
+        if more:
+            return {"clause": "STG-006", "observed": f"{where}, the state after {more[0]} "
+                    f"tokens: the state stored for the boundary at {start} tokens was read "
+                    "after a later forward had updated the block in place", "expected":
+                    "a state read after the forward of the step that computed its boundary "
+                    "and before the next one (else not stored)"}
         if untouched and self.config.role is TransferRole.CONSUMER:
             return {"clause": "STG-014", "observed": f"{where}, the allocation poison: the "
                     "request was reported finished receiving with its state never written",

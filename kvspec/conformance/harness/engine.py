@@ -1201,7 +1201,8 @@ class Engine:
         if failed and not r.invalid_named:
             end = start  # a failure that named no block: recompute the whole load
         # An async load may cover the whole prompt; its last token is computed again so
-        # that the request can sample, as vLLM does (SCH-005).
+        # that the request can sample, as vLLM does (SCH-005). With a state group that
+        # token is applied to the loaded state twice: the workers' state check names it.
         r.num_computed = min(end, r.prompt_len - 1)
         r.recv_done = True
         self._external[rid] = self._external.get(rid, 0) + (end - start)
