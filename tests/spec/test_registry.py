@@ -79,8 +79,6 @@ PENDING_MUST: dict[str, str] = {
     "STG-006": "no planted late-read bug yet (issue 50)",
     "STG-009": "the harness zeroes, but no planted write-before-zeroing bug yet: kvspec's handle_preemptions gets no metadata (issue 50)",
     "STG-004": "the harness does not rewind asynchronous full-prompt matches yet (issue 50)",
-    "STG-010": "no state layout in the harness's handshake yet (issue 50)",
-    "STG-011": "no heterogeneous-TP state in the harness yet (issue 50)",
     "STG-012": "no rank without attention data in the harness yet (issue 50)",
 }
 
