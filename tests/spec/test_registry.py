@@ -77,8 +77,6 @@ def test_clause_ids_cited_in_the_code_exist() -> None:
 PENDING_MUST: dict[str, str] = {
     # Clauses no test or harness check covers yet; listed in docs/spec/index.md too.
     "STG-009": "the harness zeroes new attention blocks after handle_preemptions, but no faithful planted write-before-zeroing bug: kvspec's handle_preemptions gets only preempted ids (vLLM 0.32's gets the step's metadata every step), so a connector cannot know its load targets before the zeroing without a protocol change (issue 50)",
-    "STG-010": "no state layout in the harness's handshake yet (issue 50)",
-    "STG-011": "no heterogeneous-TP state in the harness yet (issue 50)",
     "STG-012": "no rank without attention data in the harness yet (issue 50)",
 }
 
