@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_ID = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|SPD|GRA|DRY|HSK|STO|ERR)-(\d{3})\b")
+_ID = re.compile(r"\b(SCH|WRK|EXE|EVT|LAY|KVG|SPD|STG|GRA|DRY|HSK|STO|ERR)-(\d{3})\b")
 _TAG = re.compile(r"(<[^>]+>)")
 _SKIP = ("a", "code", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "script", "style")
 

@@ -19,16 +19,20 @@ __all__ = ["spine_of", "storage_of", "whole_prefix"]
 _MOVED = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
 
 
-def spine_of(config: EngineConfigView, backend: str) -> int:
+def spine_of(config: EngineConfigView, backend: str, *, states: bool = False) -> int:
     """The group whose block positions key a hybrid engine's blocks: its first
-    full-attention group (0 with one group).
+    full-attention group (0 with one group). With ``states``, state groups (of any block
+    size: vLLM's RUNNING state block is ``max_model_len`` tokens) are accepted beside them.
 
     Raises:
-        CapabilityError: a group of another kind than full or sliding-window attention or
-            of another block size, or no full-attention group (KVG-002).
+        CapabilityError: a group of another kind than full or sliding-window attention (or
+            state, with ``states``) or of another block size, or no full-attention group
+            (KVG-002).
     """
     groups = config.kv_cache_groups
     for i, g in enumerate(groups):
+        if states and g.kind is GroupKind.STATE:
+            continue
         if g.kind not in _MOVED or g.block_size != config.block_size:
             raise CapabilityError(
                 f"KV-cache group {i} ({g.kind.value}, block size {g.block_size}) is not one "

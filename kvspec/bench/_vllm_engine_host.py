@@ -71,11 +71,15 @@ def _engine(spec: dict[str, Any]) -> Any:
     # In this process by default; ``"engine_core_process": true`` runs vLLM's default
     # layout, the engine core in a child process (the probes then reach only this one).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("engine_core_process") else "0"
-    model_dir = _model_dir({**TINY_LLAMA, **spec.get("model", {})})
+    # "model_dir": a checkpoint written beforehand (config.json and safetensors, e.g. a tiny
+    # state-space model with seeded weights), loaded as it is; else the tiny Llama (or its
+    # config overrides, "model") with vLLM's dummy weights.
+    checkpoint = spec.get("model_dir")
+    model_dir = checkpoint or _model_dir({**TINY_LLAMA, **spec.get("model", {})})
     from kvspec.vllm.offline import offline_llm
 
     engine_args: dict[str, Any] = dict(
-        load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+        load_format="auto" if checkpoint else "dummy", skip_tokenizer_init=True, enforce_eager=True,
         dtype="float32", max_model_len=spec.get("max_model_len", 512),
         max_num_seqs=spec.get("max_num_seqs", 4),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 512),

@@ -50,10 +50,13 @@ from .capabilities import (
     HookGraphMode,
 )
 from .faults import FAULTS_KEY, FaultPlan
-from .groups import NULL_BLOCK_ID, GroupKind, KVCacheGroup, check_groups
+from .groups import NULL_BLOCK_ID, GroupKind, KVCacheGroup, StateCaching, check_groups
 from .layout import (
+    ConvLayout,
     KVCacheLayout,
     KVPacking,
+    StateComponent,
+    StateLayout,
     StrideOrder,
 )
 from .negotiation import (
@@ -138,6 +141,7 @@ __all__ = [
     "ConnectorMetadata",
     "ConnectorStats",
     "ContractViolation",
+    "ConvLayout",
     "Direction",
     "DoubleReportError",
     "HarnessError",
@@ -183,6 +187,9 @@ __all__ = [
     "SchedulerConnector",
     "SchedulerOutputView",
     "StandardAggregator",
+    "StateCaching",
+    "StateComponent",
+    "StateLayout",
     "StrideOrder",
     "SupportsAggregate",
     "TERMINAL_STATES",

@@ -26,6 +26,12 @@ Clauses enforced or documented here:
 * LAY-011 layers that share storage are declared in ``shared_layers`` and moved once.
 * LAY-012 the engine hands out block ids in ``[0, num_blocks)`` only.
 * LAY-013 (SHOULD) block-outermost layouts move one contiguous region per block.
+
+A state group's layers (``GroupKind.STATE``) are described apart, by ``StateLayout`` (STG-001):
+each state layer's tensor is a byte view ``(block_capacity, ..., content_bytes)`` whose block
+pitch is ``page_pitch_bytes`` (the page padded to the attention page); the content bytes of one
+block are its ``components`` (conv state, then ssm state, ...) at consecutive byte offsets,
+each viewed as its own dtype and shape.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ from kvspec.protocols.errors import (
     LayoutMismatchError,
 )
 
-__all__ = ["KVCacheLayout", "KVPacking", "StrideOrder"]
+__all__ = ["ConvLayout", "KVCacheLayout", "KVPacking", "StateComponent", "StateLayout",
+           "StrideOrder"]
 
 
 _ORDER_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
@@ -988,3 +995,268 @@ class KVCacheLayout:
         nbytes = self.region_nbytes
         offsets = self.block_region_offsets(block_ids).tolist()
         return tuple(tuple((offset, nbytes) for offset in row) for row in offsets)
+
+
+# ------------------------------------------------------------------------ state layouts
+
+
+class ConvLayout(enum.Enum):
+    """The order of a convolution state's two dims (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``):
+    the layout is baked into the component's shape, and peers that exchange state must agree
+    on it or convert (STG-010)."""
+
+    SD = "SD"
+    """``(state_len, dim)``: vLLM's default."""
+    DS = "DS"
+    """``(dim, state_len)``: what vLLM's NIXL connectors require."""
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not value:
+        raise InvalidArgumentError(
+            f"StateComponent.shape must be a non-empty tuple of ints >= 1, got {value!r}",
+            clause="STG-001")
+    return tuple(_check_size("StateComponent.shape dim", d, clause="STG-001") for d in value)
+
+
+@attrs.frozen
+class StateComponent:
+    """One component of a state page (STG-001): a conv state, an ssm state, an extra.
+
+    Attributes:
+        name: Its name, unique within the layout (``"conv"``, ``"ssm"``).
+        shape: Its shape, of this rank (a conv state's shape follows ``conv_layout``).
+        dtype: Its element dtype.
+        byte_offset: Where it starts within the block's content bytes.
+    """
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    dtype: torch.dtype
+    byte_offset: int
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgumentError(
+                f"StateComponent.name must be a non-empty str, got {self.name!r}",
+                clause="STG-001")
+        if not isinstance(self.dtype, torch.dtype):
+            raise InvalidArgumentError(
+                f"StateComponent.dtype must be a torch.dtype, got {self.dtype!r}",
+                clause="STG-001")
+        offset = _check_size("StateComponent.byte_offset", self.byte_offset, minimum=0,
+                             clause="STG-001")
+        if offset % self.dtype.itemsize:
+            raise InvalidArgumentError(
+                f"component {self.name!r} starts at byte {offset}, not a multiple of its "
+                f"{self.dtype} item size {self.dtype.itemsize}", clause="STG-001")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the component."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _components(value: object) -> tuple[StateComponent, ...]:
+    if not isinstance(value, (tuple, list)) or not value \
+            or not all(isinstance(c, StateComponent) for c in value):
+        raise InvalidArgumentError(
+            f"StateLayout.components must be a non-empty tuple of StateComponent, got "
+            f"{value!r}", clause="STG-001")
+    return tuple(value)
+
+
+@attrs.frozen
+class StateLayout:
+    """Immutable, validated description of one state group's tensors on one rank (STG-001).
+
+    Every layer of the group has one tensor, registered by ``register_state_caches``: a byte
+    view (``int8`` or ``uint8``) of shape ``(block_capacity, ..., content_bytes)`` (vLLM:
+    ``(blocks, 1, 1, content_bytes)``) whose block stride is ``page_pitch_bytes``. Block
+    ``b``'s content bytes hold the components at their byte offsets; the bytes from
+    ``content_bytes`` to the pitch are padding that nobody moves. A connector copies whole
+    content bytes of a block between equal layouts (``same_state_as``), and never assumes
+    anything this descriptor does not state (LAY-007).
+
+    Attributes:
+        components: The components in page order, at ascending, non-overlapping offsets.
+        content_bytes: Bytes of state per block: the end of the last component.
+        page_pitch_bytes: Bytes from one block's page to the next, ``>= content_bytes``
+            (vLLM pads a state page to the attention page, LAY-004).
+        num_blocks: The engine's block budget (LAY-003, LAY-012).
+        block_capacity: The tensor's block dim size, ``>= num_blocks`` (LAY-003).
+        conv_layout: The conv state's dim order, or None for a state without one (STG-010).
+        tp_size: Tensor-parallel ranks the state is sharded over.
+        tp_rank: This rank.
+        tp_replicated: True when every rank holds the whole state (no sharding).
+
+    Raises:
+        InvalidArgumentError: a field out of range, components overlapping or out of
+            order, or ``content_bytes`` not the end of the last component.
+    """
+
+    components: tuple[StateComponent, ...] = attrs.field(converter=_components)
+    content_bytes: int
+    page_pitch_bytes: int
+    num_blocks: int
+    block_capacity: int
+    conv_layout: ConvLayout | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_replicated: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        names = [c.name for c in self.components]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"StateLayout components repeat a name: {names}",
+                                       clause="STG-001")
+        end = 0
+        for c in self.components:
+            if c.byte_offset < end:
+                raise InvalidArgumentError(
+                    f"component {c.name!r} starts at byte {c.byte_offset}, inside the one "
+                    f"before it (ends at {end}); expected ascending, non-overlapping "
+                    "components", clause="STG-001")
+            end = c.byte_offset + c.nbytes
+        content = _check_size("content_bytes", self.content_bytes, clause="STG-001")
+        if content != end:
+            raise InvalidArgumentError(
+                f"content_bytes {content} is not the end of the last component ({end})",
+                clause="STG-001")
+        pitch = _check_size("page_pitch_bytes", self.page_pitch_bytes, clause="LAY-004")
+        if pitch < content:
+            raise InvalidArgumentError(
+                f"page_pitch_bytes {pitch} is below content_bytes {content}",
+                clause="LAY-004")
+        blocks = _check_size("num_blocks", self.num_blocks, clause="LAY-003")
+        if _check_size("block_capacity", self.block_capacity, clause="LAY-003") < blocks:
+            raise InvalidArgumentError(
+                f"num_blocks {blocks} exceeds block_capacity {self.block_capacity}",
+                clause="LAY-003")
+        if self.conv_layout is not None and not isinstance(self.conv_layout, ConvLayout):
+            raise InvalidArgumentError(
+                f"conv_layout must be a ConvLayout or None, got {self.conv_layout!r}",
+                clause="STG-010")
+        size = _check_size("tp_size", self.tp_size, clause="STG-001")
+        _check_index("tp_rank", self.tp_rank, size, "a rank of tp_size")
+        if not isinstance(self.tp_replicated, bool):
+            raise InvalidArgumentError(
+                f"tp_replicated must be a bool, got {self.tp_replicated!r}", clause="STG-001")
+
+    @classmethod
+    def contiguous(
+        cls,
+        components: Sequence[tuple[str, Sequence[int], torch.dtype]],
+        num_blocks: int,
+        *,
+        page_pitch_bytes: int | None = None,
+        block_capacity: int | None = None,
+        conv_layout: ConvLayout | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        tp_replicated: bool = False,
+    ) -> StateLayout:
+        """The layout of components packed at consecutive byte offsets, in the order given
+        (vLLM's ``bind_kv_cache`` for state layers); the pitch defaults to the content
+        bytes, and ``block_capacity`` to ``num_blocks``.
+
+        Raises:
+            InvalidArgumentError: a component is not ``(name, shape, dtype)``, or the result
+                is invalid.
+        """
+        parts: list[StateComponent] = []
+        offset = 0
+        for item in components:
+            if not isinstance(item, tuple) or len(item) != 3:
+                raise InvalidArgumentError(
+                    f"a component must be (name, shape, dtype), got {item!r}",
+                    clause="STG-001")
+            name, shape, dtype = item
+            if isinstance(dtype, torch.dtype) and offset % dtype.itemsize:
+                offset += dtype.itemsize - offset % dtype.itemsize
+            part = StateComponent(name, tuple(shape), dtype, offset)
+            parts.append(part)
+            offset += part.nbytes
+        return cls(components=tuple(parts), content_bytes=offset,
+                   page_pitch_bytes=offset if page_pitch_bytes is None else page_pitch_bytes,
+                   num_blocks=num_blocks,
+                   block_capacity=num_blocks if block_capacity is None else block_capacity,
+                   conv_layout=conv_layout, tp_size=tp_size, tp_rank=tp_rank,
+                   tp_replicated=tp_replicated)
+
+    def component(self, name: str) -> StateComponent:
+        """The component called ``name``.
+
+        Raises:
+            InvalidArgumentError: no such component.
+        """
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise InvalidArgumentError(
+            f"no state component {name!r}; the layout has "
+            f"{', '.join(c.name for c in self.components)}", clause="STG-001")
+
+    def same_state_as(self, other: StateLayout) -> bool:
+        """True when a block's content bytes mean the same under both layouts: the same
+        components (names, shapes, dtypes, offsets), conv layout and sharding (``tp_size``,
+        ``tp_replicated``), so whole content bytes may be copied between them (STG-010,
+        STG-011). Pitch, block counts and rank may differ."""
+        return (self.components == other.components and self.conv_layout == other.conv_layout
+                and self.tp_size == other.tp_size and self.tp_replicated == other.tp_replicated)
+
+    def check_tensor(self, tensor: torch.Tensor) -> None:
+        """Check that ``tensor`` is one state layer's tensor of this layout: a byte dtype,
+        ``block_capacity`` blocks at a pitch of ``page_pitch_bytes``, each block's
+        ``content_bytes`` contiguous.
+
+        Raises:
+            LayoutMismatchError: naming what differs (LAY-008).
+            InvalidArgumentError: ``tensor`` is not a torch.Tensor.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(
+                f"check_tensor needs a torch.Tensor, got {type(tensor).__name__}",
+                clause="LAY-008")
+        problem = None
+        if tensor.dtype not in (torch.int8, torch.uint8):
+            problem = f"dtype {tensor.dtype}; expected int8 or uint8 (a byte view)"
+        elif tensor.dim() < 2 or tensor.shape[0] != self.block_capacity:
+            problem = (f"shape {tuple(tensor.shape)}; expected (block_capacity="
+                       f"{self.block_capacity}, ..., content bytes)")
+        elif math.prod(tensor.shape[1:]) != self.content_bytes:
+            problem = (f"{math.prod(tensor.shape[1:])} bytes per block; expected "
+                       f"content_bytes={self.content_bytes}")
+        elif tensor.stride(0) != self.page_pitch_bytes:
+            problem = (f"block stride {tensor.stride(0)} bytes; expected page_pitch_bytes="
+                       f"{self.page_pitch_bytes}")
+        elif not tensor[0].is_contiguous():
+            problem = "a block's content bytes are not contiguous"
+        if problem is not None:
+            raise LayoutMismatchError(f"state tensor: {problem}", clause="LAY-008")
+
+    def block_bytes(self, tensor: torch.Tensor, block: int) -> torch.Tensor:
+        """The content bytes of ``block`` in one state layer's ``tensor``, as a 1-D uint8
+        view (no copy).
+
+        Raises:
+            InvalidBlockIdError: ``block`` is not in ``[0, num_blocks)`` (LAY-012).
+        """
+        number = _int(block)
+        if number is None or not 0 <= number < self.num_blocks:
+            raise InvalidBlockIdError(
+                f"block {block!r} is out of range; expected an int in [0, {self.num_blocks})",
+                clause="LAY-012")
+        return tensor[number].reshape(-1).view(torch.uint8)
+
+    def component_view(self, tensor: torch.Tensor, block: int, name: str) -> torch.Tensor:
+        """Component ``name`` of ``block`` in one state layer's ``tensor``, viewed as its
+        dtype and shape (no copy).
+
+        Raises:
+            InvalidBlockIdError: ``block`` out of range (LAY-012).
+            InvalidArgumentError: no such component.
+        """
+        c = self.component(name)
+        raw = self.block_bytes(tensor, block)[c.byte_offset:c.byte_offset + c.nbytes]
+        return raw.view(c.dtype).view(c.shape)

@@ -682,7 +682,8 @@ class ForwardContextView:
         kind: Why this forward runs; dummy kinds carry no real request (DRY clauses).
         step_id: The scheduler step this forward executes, or None for dummy forwards.
         num_tokens: Tokens in the forward, after padding to a captured size (GRA-009).
-        layer_names: The attention layers of this worker, in execution order.
+        layer_names: The attention layers of this worker, in execution order (never a
+            state layer: those get no per-layer hook, STG-005).
     """
 
     kind: ForwardKind
@@ -726,7 +727,9 @@ class EngineConfigView:
     Attributes:
         engine_id: Unique id of this engine instance (peers address it by this id).
         role: What the engine does with KV across engines.
-        num_layers: Attention layers of the model (all ranks).
+        num_layers: Attention layers of the model (all ranks); a state group's layers
+            (``GroupKind.STATE``) are not counted: they are registered apart
+            (``register_state_caches``, STG-001) and named by ``state_layer_names``.
         block_size: Tokens per KV block.
         num_blocks: The physical block budget per rank (LAY-003).
         tp_size: Tensor-parallel ranks.
@@ -739,7 +742,9 @@ class EngineConfigView:
             every ``AllocatedBlocks`` carries (KVG-001); empty (the default) for one
             full-attention group of every layer. A connector reads a group's kind, window
             and layers here, skips its null positions (KVG-004) and moves, per group, the
-            blocks ``KVCacheGroup.needed_blocks`` names (KVG-003).
+            blocks ``KVCacheGroup.needed_blocks`` names (KVG-003). A ``STATE`` group also
+            says how its states are kept (``state_caching``, STG-001) and has no per-layer
+            hook (STG-005).
         draft_layer_names: The registered layers that belong to a drafter (speculative
             decoding: an EAGLE head, an MTP module, a draft model), empty without one. They
             are KV layers of the group they are registered in, the target's full-attention
@@ -769,6 +774,20 @@ class EngineConfigView:
         """How many KV-cache groups the engine gives each request's blocks in (1 without
         ``kv_cache_groups``)."""
         return len(self.kv_cache_groups) or 1
+
+    @property
+    def state_group_ids(self) -> tuple[int, ...]:
+        """Indices of the ``GroupKind.STATE`` groups in ``kv_cache_groups`` (STG-001)."""
+        return tuple(i for i, g in enumerate(self.kv_cache_groups)
+                     if g.kind is GroupKind.STATE)
+
+    @property
+    def state_layer_names(self) -> tuple[str, ...]:
+        """The layers of every ``STATE`` group, in group order: registered with
+        ``register_state_caches``, never with ``register_kv_caches``, and given no per-layer
+        hook (STG-001, STG-005)."""
+        return tuple(n for g in self.kv_cache_groups if g.kind is GroupKind.STATE
+                     for n in g.layer_names)
 
     @property
     def world_size(self) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from .errors import UnsupportedOperationError
 from .events import KVCacheEvent, KVConnectorOutput, SupportsAggregate
-from .layout import KVCacheLayout
+from .layout import KVCacheLayout, StateLayout
 from .metadata import ConnectorMetadata, HandshakeMetadata
 from .views import ForwardContextView
 
@@ -219,6 +219,30 @@ class WorkerConnector(Protocol):
             f"{type(self).__name__} does not build dummy metadata; only connectors that "
             "declare HookGraphMode.CAPTURABLE implement build_dummy_connector_meta",
             clause="DRY-005",
+        )
+
+    def register_state_caches(
+        self, state_caches: Mapping[str, torch.Tensor], layouts: Mapping[int, StateLayout]
+    ) -> None:
+        """Receive this rank's state-layer tensors, by layer name, and each state group's
+        layout, by group index into ``EngineConfigView.kv_cache_groups`` (STG-001).
+
+        When: only with a ``GroupKind.STATE`` group (a connector that does not declare
+        STATE is refused first, KVG-002): exactly once, right after ``register_kv_caches``,
+        before the first forward that can move KV; again after every ``restore_kv_caches``
+        with the re-allocated tensors. ``register_kv_caches`` then holds the attention
+        layers only, and ``EngineConfigView.num_layers`` counts those.
+        May assume: every layer of a state group is in ``state_caches`` and its group's
+        layout is true of its tensor (``StateLayout.check_tensor``); the engine calls no
+        per-layer hook for state layers (STG-005), so state moves only in step-level hooks.
+        Must never: re-stride or re-allocate the tensors (WRK-002), or write a step's load
+        targets before that step's ``start_load_kv`` (STG-009).
+        Default: raises UnsupportedOperationError: only connectors that declare
+        ``GroupKind.STATE`` implement it.
+        """
+        raise UnsupportedOperationError(
+            f"{type(self).__name__} does not declare GroupKind.STATE and cannot register "
+            "state caches", clause="STG-001",
         )
 
     def unregister_kv_caches(self) -> None:

@@ -9,7 +9,7 @@ import attrs
 
 __all__ = ["Area", "Clause", "Level"]
 
-_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|SPD|DRY|GRA|HSK|STO|ERR)-(\d{3})$")
+_ID_RE = re.compile(r"^(SCH|WRK|EXE|EVT|LAY|KVG|SPD|STG|DRY|GRA|HSK|STO|ERR)-(\d{3})$")
 
 
 class Level(enum.Enum):
@@ -30,6 +30,7 @@ class Area(enum.Enum):
     LAY = "KV-cache layout"
     KVG = "KV-cache groups"
     SPD = "Speculative decoding"
+    STG = "State groups (state-space hybrids)"
     DRY = "Dummy runs"
     GRA = "Graph capture and replay"
     HSK = "Handshake"

@@ -25,8 +25,8 @@ END = "<!-- /clauses -->"
 
 
 _UPSTREAM = {"vLLM": "vllm-project/vllm", "kvcached": "ovg-project/kvcached",
-             "vllm-ascend": "vllm-project/vllm-ascend"}
-_REF = re.compile(r"\b(?:(?P<repo>vllm-ascend|vLLM|kvcached) )?(?P<kind>PR|issue) (?P<num>\d+)")
+             "vllm-ascend": "vllm-project/vllm-ascend", "SGLang": "sgl-project/sglang"}
+_REF = re.compile(r"\b(?:(?P<repo>vllm-ascend|vLLM|kvcached|SGLang) )?(?P<kind>PR|issue) (?P<num>\d+)")
 
 
 def link_source(tag: str) -> str:

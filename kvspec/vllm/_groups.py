@@ -12,9 +12,36 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvspec.protocols import CapabilityError, GroupKind, InvalidArgumentError, KVCacheGroup
+from kvspec.protocols import (
+    CapabilityError,
+    GroupKind,
+    InvalidArgumentError,
+    KVCacheGroup,
+    StateCaching,
+)
 
-__all__ = ["groups_of"]
+__all__ = ["groups_of", "state_caching"]
+
+_CACHING = {"none": StateCaching.RUNNING, "align": StateCaching.ALIGNED}
+"""vLLM's ``MambaSpec.mamba_cache_mode`` -> kvspec's ``StateCaching`` (STG-001): "none"
+(prefix caching off) keeps one running state block per request of ``max_model_len``
+tokens; "align" (prefix caching on) a position-indexed list of boundary states."""
+
+
+def state_caching(spec: Any) -> StateCaching:
+    """The caching mode of a vLLM ``MambaSpec`` (STG-001).
+
+    Raises:
+        CapabilityError: a mode kvspec does not describe (vLLM 0.32 and 0.33 know "none"
+            and "align"), named.
+    """
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    found = _CACHING.get(str(mode))
+    if found is None:
+        raise CapabilityError(f"vLLM state group with mamba_cache_mode={mode!r}; kvspec "
+                              "describes 'none' (RUNNING) and 'align' (ALIGNED)",
+                              clause="STG-001")
+    return found
 
 _KINDS = {
     "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
@@ -63,6 +90,12 @@ def groups_of(kv_cache_config: Any) -> tuple[KVCacheGroup, ...]:
                                   "vLLM; kvspec connectors move every group", clause="KVG-002")
         window = (spec.sliding_window if kind is GroupKind.SLIDING_WINDOW
                   else spec.attention_chunk_size if kind is GroupKind.CHUNKED_LOCAL else None)
+        if kind is GroupKind.STATE:
+            out.append(KVCacheGroup(kind, int(spec.block_size), layers,
+                                    state_caching=state_caching(spec),
+                                    num_scratch_blocks=int(getattr(
+                                        spec, "num_speculative_blocks", 0) or 0)))
+            continue
         out.append(KVCacheGroup(kind, int(spec.block_size), layers,
                                 int(window) if window is not None else None))
     return tuple(out)

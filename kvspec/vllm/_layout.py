@@ -7,6 +7,14 @@ D]`` for split-K/V GPU backends (any stride order). ``describe_kv_caches`` turns
 into kvspec's storage shape (a view, never a copy: LAY-009) and the descriptor that is true
 of them (LAY-006, LAY-014), after checking the layout with the connector's offer (LAY-010).
 No vLLM import: the tensors and sizes are passed in.
+
+State layers (vLLM's ``MambaSpec`` groups) reach ``register_kv_caches`` in the same dict, as
+int8 byte views ``(blocks, 1, 1, content_bytes)`` whose block stride is the padded page
+(they alias the attention layers' pages, one block id per group at a time).
+``describe_state_caches`` splits them off and describes each state group with a
+``StateLayout`` (STG-001): its components from the spec's ``shapes`` and ``dtypes``, conv
+state first, at consecutive byte offsets (vLLM's ``bind_kv_cache`` reads them so), the
+padded pitch, and the conv layout vLLM baked into the conv shape.
 """
 
 from __future__ import annotations
@@ -18,15 +26,19 @@ import torch
 
 from kvspec.protocols import (
     Capabilities,
+    ConvLayout,
+    InvalidArgumentError,
     KVCacheLayout,
     KVPacking,
     LayoutMismatchError,
     LayoutOffer,
+    StateLayout,
     StrideOrder,
     negotiate_layout,
 )
 
-__all__ = ["Described", "describe_kv_caches", "required_layout_name"]
+__all__ = ["Described", "StateSpec", "describe_kv_caches", "describe_state_caches",
+           "required_layout_name", "state_component_names"]
 
 BACKEND = "vLLM attention backend"
 PROVIDER = "vLLM KV-cache allocator"
@@ -127,3 +139,96 @@ def describe_kv_caches(
     provider = LayoutOffer(PROVIDER, (layout.order,), (packing,), can_restride=False)
     negotiate_layout(capabilities.layout_offer(), engine, provider)
     return Described(views, layout)
+
+
+@attrs.frozen
+class StateSpec:
+    """What the adapter reads off one vLLM ``MambaSpec`` (no vLLM import here).
+
+    Attributes:
+        layer_names: The group's layers.
+        shapes: Each component's shape on this rank (``MambaSpec.shapes``), conv first.
+        dtypes: Each component's dtype (``MambaSpec.dtypes``).
+        page_bytes: The page pitch (``MambaSpec.page_size_bytes``: the padded page).
+        mamba_type: The spec's ``mamba_type`` name (``MAMBA2``, ``GDN_ATTN``, ...).
+        tp_replicated: ``MambaSpec.tp_replicated``.
+    """
+
+    layer_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    page_bytes: int
+    mamba_type: str
+    tp_replicated: bool = False
+
+
+_CONV_FIRST = frozenset({"MAMBA1", "MAMBA2", "GDN_ATTN", "SHORT_CONV", "KDA"})
+"""``mamba_type`` names whose first component is a convolution state (vLLM's
+``mamba_utils`` state shapes): its dims follow ``VLLM_SSM_CONV_STATE_LAYOUT``."""
+
+
+def state_component_names(mamba_type: str, count: int) -> tuple[str, ...]:
+    """Component names of a state page: ``conv`` then ``ssm`` for the kinds with a conv
+    state, then ``extra1``...; ``state0``... for any other kind."""
+    if mamba_type.upper() in _CONV_FIRST:
+        names = ["conv", "ssm"][:count]
+        return (*names, *(f"extra{i}" for i in range(1, count - len(names) + 1)))
+    return tuple(f"state{i}" for i in range(count))
+
+
+def describe_state_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    specs: Mapping[int, StateSpec],
+    *,
+    num_blocks: int,
+    conv_layout: str | None,
+    tp_size: int,
+    tp_rank: int,
+) -> tuple[dict[str, torch.Tensor], dict[int, StateLayout]]:
+    """Split the state layers off vLLM's registered caches and describe each state group
+    (STG-001): the tensors by layer name (vLLM's byte views, untouched: LAY-009) and each
+    group's ``StateLayout`` by its index in vLLM's group order, checked against every one of
+    its layers' tensors.
+
+    Raises:
+        LayoutMismatchError: a state layer is missing, or its tensor is not the byte view its
+            spec implies (LAY-008).
+        InvalidArgumentError: ``conv_layout`` is not "SD", "DS" or None (STG-010).
+    """
+    conv: ConvLayout | None = None
+    if conv_layout is not None:
+        try:
+            conv = ConvLayout(conv_layout)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"vLLM's conv-state layout is {conv_layout!r}; expected 'SD' or 'DS' "
+                "(VLLM_SSM_CONV_STATE_LAYOUT)", clause="STG-010") from None
+    tensors: dict[str, torch.Tensor] = {}
+    layouts: dict[int, StateLayout] = {}
+    for index, spec in specs.items():
+        names = state_component_names(spec.mamba_type, len(spec.shapes))
+        first = kv_caches.get(spec.layer_names[0]) if spec.layer_names else None
+        if first is None:
+            raise LayoutMismatchError(
+                f"state group {index}: vLLM registered no tensor for layer "
+                f"{spec.layer_names[:1]}", clause="LAY-008")
+        layout = StateLayout.contiguous(
+            list(zip(names, spec.shapes, spec.dtypes)), num_blocks,
+            page_pitch_bytes=spec.page_bytes, block_capacity=int(first.shape[0]),
+            conv_layout=conv if names[0] == "conv" else None,
+            tp_size=tp_size, tp_rank=tp_rank, tp_replicated=spec.tp_replicated)
+        for name in spec.layer_names:
+            tensor = kv_caches.get(name)
+            if tensor is None:
+                raise LayoutMismatchError(
+                    f"state group {index}: vLLM registered no tensor for layer {name!r}",
+                    clause="LAY-008")
+            try:
+                layout.check_tensor(tensor)
+            except LayoutMismatchError as e:
+                raise LayoutMismatchError(f"state layer {name!r}: {e.message}",
+                                          clause="LAY-008") from None
+            tensors[name] = tensor
+        layouts[index] = layout
+    return tensors, layouts
+

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvspec.protocols import (
+    CapabilityError,
     ConnectorFactory,
     EngineConfigView,
     GroupKind,
@@ -107,7 +108,8 @@ def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigVi
     """The ``EngineConfigView`` of a vLLM engine, from its ``VllmConfig`` and
     ``KVCacheConfig`` (the two objects vLLM passes a connector's constructor).
 
-    ``num_layers`` counts the attention layers of every KV-cache group, ``num_blocks`` is
+    ``num_layers`` counts the attention layers of every KV-cache group (not a state
+    group's: those are registered with ``register_state_caches``, STG-001), ``num_blocks`` is
     the KV-cache config's block budget (LAY-003), ``extra`` is the extra config without the
     adapter's own keys, ``kv_cache_groups`` vLLM's groups when there are several or the one
     is not full attention (KVG-001; vLLM's hybrid allocator is on).
@@ -129,7 +131,15 @@ def engine_config_view(vllm_config: Any, kv_cache_config: Any) -> EngineConfigVi
             "and newer); got None", clause="ERR-002",
         )
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    num_layers = sum(len(getattr(g, "layer_names", ())) for g in groups)
+    # Attention layers only: a state group's layers are registered apart (STG-001).
+    num_layers = sum(len(getattr(g, "layer_names", ())) for g in groups
+                     if type(getattr(g, "kv_cache_spec", None)).__name__ != "MambaSpec")
+    if groups and not num_layers:
+        raise CapabilityError(
+            "vLLM's model has state layers only (every KV-cache group is a MambaSpec); "
+            "kvspec's KV layout needs at least one attention layer to describe the shared "
+            "cache buffer, so pure state-space models (Mamba, Mamba2) are not supported yet",
+            clause="STG-001")
     first = getattr(groups[0], "kv_cache_spec", None) if groups else None
     described = groups_of(kv_cache_config) if len(groups) > 1 or (
         first is not None and type(first).__name__ != "FullAttentionSpec") else ()

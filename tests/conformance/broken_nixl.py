@@ -1,4 +1,4 @@
-"""A deliberately broken variant of the NIXL backend: HSK-006 (issue 48). ``test_broken.py``
+"""Deliberately broken variants of the NIXL backend: HSK-006 (issue 48), STG-014 (issue 50). ``test_broken.py``
 runs it through the real plugin in a subprocess and expects HSK-006, and no other clause, to
 fail. It lives with the tests: the conformance package does not depend on the reference
 backends."""
@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvspec.backends.nixl import NixlConnector
+import attrs
+
+from kvspec.backends.nixl import NixlConnector, NixlLoad
+from kvspec.backends.nixl._transport import NixlEndpoint
 from kvspec.backends.nixl._worker import NixlWorker
 
-__all__ = ["BROKEN_NIXL", "StalePeersConnector"]
+__all__ = ["BROKEN_NIXL", "BROKEN_NIXL_STATE", "NoStateSendConnector", "StalePeersConnector"]
 
 
 class _StalePeersWorker(NixlWorker):
@@ -35,7 +38,35 @@ class StalePeersConnector(NixlConnector):
         return "broken-stale-peers"
 
 
-BROKEN_NIXL: tuple[tuple[type[StalePeersConnector], str], ...] = (
+class _NoStateSendWorker(NixlWorker):
+    """Moves a hand-off's attention blocks only: the state group is never sent, and the
+    consumer reports the request finished (STG-014; SGLang's NIXL sender handled one state
+    type and silently sent nothing for the others, SGLang PR 18939)."""
+
+    def _read(self, endpoint: NixlEndpoint, load: NixlLoad) -> None:
+        super()._read(endpoint, attrs.evolve(load, local_state=(), remote_state=()))
+
+
+class NoStateSendConnector(NixlConnector):
+    """Breaks STG-014: a state-space hybrid's state is never handed off, yet the decode
+    engine's load is reported finished, so it decodes on a state block nobody wrote."""
+
+    violates: ClassVar[str] = "STG-014"
+    worker_class = _NoStateSendWorker
+
+    @property
+    def name(self) -> str:
+        return "broken-no-state-send"
+
+
+BROKEN_NIXL: tuple[tuple[type[NixlConnector], str], ...] = (
     (StalePeersConnector, StalePeersConnector.violates),
 )
-"""The broken NIXL variants with the clause each breaks."""
+"""The broken NIXL variants the suite's run through the plugin catches, with the clause each
+breaks (``test_broken.py``)."""
+
+BROKEN_NIXL_STATE: tuple[tuple[type[NixlConnector], str], ...] = (
+    (NoStateSendConnector, NoStateSendConnector.violates),
+)
+"""The broken NIXL variants of state groups, caught by ``test_state_nixl.py`` (the suite's
+state scenarios are another helper's, so they run there), with the clause each breaks."""

@@ -74,6 +74,18 @@ def test_the_good_connectors_pass_the_same_selection(pytester: pytest.Pytester) 
     assert result.ret == 0, result.stdout.str()[-3000:]
 
 
+
+def test_the_state_connectors_pass_the_state_selection(pytester: pytest.Pytester) -> None:
+    """The control of the state variants: StateCache, which they derive from, and the offload
+    backend pass the selection that catches them."""
+    result = pytester.runpytest_subprocess(
+        "--kvspec-conformance=kvspec.conformance.connectors.state:StateCache",
+        "--kvspec-conformance=kvspec.backends.offload:OffloadConnector",
+        "-p", "no:cacheprovider", "-k", "TestStateGroups and repeated_prompt",
+    )
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.assert_outcomes(passed=2)
+
 ATTRIBUTION = '''
 from kvspec.conformance.connectors.shared_storage import (
     SharedStorageConnector, SharedStorageScheduler, SharedStorageWorker)

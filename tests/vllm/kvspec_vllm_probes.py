@@ -238,3 +238,65 @@ def corrupt_offload_layers(llm: Any, layers: list[str], seed: int = 0) -> int:
         slots[:, lo:hi] = noise.view(part.dtype).view(part.shape)
         n += raw.numel()
     return n
+
+
+_SAVED_STATES: list[torch.Tensor] = []
+
+
+def corrupt_offload_states(llm: Any, seed: int = 0) -> int:
+    """Overwrite every stored state byte of the offload backend (its ``StatePool``, the
+    state groups' content bytes only; the attention pool is untouched) with noise, keeping
+    a copy for ``restore_offload_states``; return how many bytes were overwritten."""
+    states = _worker_connector().kvspec_worker.states
+    _SAVED_STATES[:] = [states.host.clone()]
+    gen = torch.Generator().manual_seed(seed)
+    states.host.copy_(torch.randint(0, 256, states.host.shape, dtype=torch.uint8,
+                                    generator=gen))
+    return int(states.host.numel())
+
+
+def restore_offload_states(llm: Any) -> None:
+    """Put back the states ``corrupt_offload_states`` overwrote."""
+    _worker_connector().kvspec_worker.states.host.copy_(_SAVED_STATES.pop())
+
+
+def state_registration(llm: Any) -> dict[str, Any]:
+    """What the worker-side adapter registered: attention layers (``register_kv_caches``),
+    state layers and each state group's layout (``register_state_caches``), and the
+    geometry of vLLM's state tensors."""
+    conn = _worker_connector()
+    layouts = conn._state_layouts
+    return {
+        "attention_layers": list(conn.registered_kv_caches),
+        "state_layers": {n: {"shape": list(t.shape), "dtype": str(t.dtype),
+                             "stride": list(t.stride())}
+                         for n, t in conn._state_caches.items()},
+        "layouts": {str(g): {"components": [[c.name, list(c.shape), str(c.dtype), c.byte_offset]
+                                            for c in lay.components],
+                             "content_bytes": lay.content_bytes,
+                             "page_pitch_bytes": lay.page_pitch_bytes,
+                             "conv_layout": lay.conv_layout and lay.conv_layout.value}
+                    for g, lay in layouts.items()},
+    }
+
+
+_LAYER_HOOKS: list[str] = []
+
+
+def record_layer_hooks(llm: Any) -> None:
+    """Record the layer name of every per-layer hook vLLM calls on the worker-side adapter
+    from now on (``save_kv_layer`` and ``wait_for_layer_load``)."""
+    conn = _worker_connector()
+    for hook in ("save_kv_layer", "wait_for_layer_load"):
+        inner = getattr(conn, hook)
+
+        def recorded(layer_name: str, *args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            _LAYER_HOOKS.append(layer_name)
+            return _inner(layer_name, *args, **kwargs)
+
+        setattr(conn, hook, recorded)
+
+
+def layer_hooks(llm: Any) -> list[str]:
+    """The distinct layer names ``record_layer_hooks`` saw."""
+    return sorted(set(_LAYER_HOOKS))

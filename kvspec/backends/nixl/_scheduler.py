@@ -23,6 +23,17 @@ and never the null block (KVG-004), and a failed READ fails its request (KVG-005
 The engines may run different TP sizes: the hand-off carries every producer rank's
 ``PeerInfo``, and each consumer rank reads the producer ranks whose KV heads overlap its
 own (see ``kvspec.backends.nixl._worker``); the model's head counts must agree (HSK-003).
+
+State-space hybrids (STG): beside one full-attention group, state groups under ``RUNNING``
+caching (one state block per request, updated in place). The running state moves on with
+every step, so the producer keeps a copy of it: at the end of each step whose computed
+tokens reach a block boundary below the prompt's last token, its workers copy the request's
+state (every state layer's content bytes) into a registered staging row (``snaps``). It
+hands a request off with the state after exactly ``T`` tokens, the last such boundary, and
+the attention blocks of those ``T`` tokens (``"state"`` in the hand-off); the consumer matches
+exactly ``T`` tokens (STG-003) and computes the rest, the prompt's last token included
+(STG-016's backoff, at block granularity). A request whose prefill never ended a step on
+such a boundary is not handed off (its state after a whole-block prefix does not exist).
 """
 
 from __future__ import annotations
@@ -39,8 +50,10 @@ from typing_extensions import Self
 from kvspec.protocols import (
     NULL_BLOCK_ID,
     AllocatedBlocks,
+    CapabilityError,
     ConnectorMetadata,
     EngineConfigView,
+    GroupKind,
     HandshakeMetadata,
     InvalidArgumentError,
     KVCacheEvent,
@@ -50,6 +63,7 @@ from kvspec.protocols import (
     RequestView,
     SchedulerConnector,
     SchedulerOutputView,
+    StateCaching,
     TransferRole,
     UnknownRequestError,
     parse_decimal,
@@ -68,11 +82,37 @@ from .._settings import PositiveSeconds, read_settings
 
 __all__ = ["NixlLoad", "NixlMetadata", "NixlScheduler", "NixlSettings", "PARAMS_KIND"]
 
+
+def state_groups(config: EngineConfigView) -> tuple[int, ...]:
+    """The state groups the NIXL backend moves: ``RUNNING`` state groups beside exactly one
+    full-attention group (STG-001); () without state groups.
+
+    Raises:
+        CapabilityError: a state group under ``ALIGNED`` caching, or state groups beside
+            other attention groups than one full-attention group (KVG-002).
+    """
+    ids = tuple(config.state_group_ids)
+    if not ids:
+        return ()
+    groups = config.kv_cache_groups
+    attention = [g for j, g in enumerate(groups) if j not in ids]
+    if len(attention) != 1 or attention[0].kind is not GroupKind.FULL:
+        raise CapabilityError(
+            "the NIXL backend moves state groups beside exactly one full-attention group, "
+            f"got {[g.kind.value for g in groups]}", clause="KVG-002")
+    for j in ids:
+        if groups[j].state_caching is not StateCaching.RUNNING:
+            raise CapabilityError(
+                f"KV-cache group {j}: the NIXL backend moves state groups under RUNNING "
+                f"caching (vLLM's mamba_cache_mode 'none'), got {groups[j].state_caching}",
+                clause="KVG-002")
+    return ids
+
 PARAMS_KIND = "kvspec.nixl.handoff"
 """The ``"kind"`` of the backend's ``kv_transfer_params``."""
 
 _META_KIND: Final = "kvspec.nixl"
-_META_VERSION: Final = 3
+_META_VERSION: Final = 4
 
 _SECRET = re.compile(r"[0-9a-f]{32}")
 
@@ -168,6 +208,9 @@ class NixlLoad:
             and producer block ids at the load's positions (``NULL_BLOCK_ID`` where a
             side skipped one); empty with one group. ``local_blocks`` and
             ``remote_blocks`` are then the full-attention group's columns.
+        local_state, remote_state: With state groups, each state group's consumer block
+            and the producer's staging row holding the state after exactly the load's last
+            token (pairwise, in group order); empty without (STG-014).
 
     Raises:
         InvalidArgumentError: a field is malformed.
@@ -181,6 +224,8 @@ class NixlLoad:
     secret: str
     local_groups: tuple[tuple[int, ...], ...] = ()
     remote_groups: tuple[tuple[int, ...], ...] = ()
+    local_state: tuple[int, ...] = ()
+    remote_state: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         for name in ("request_id", "engine_id", "notification"):
@@ -203,6 +248,14 @@ class NixlLoad:
                 raise InvalidArgumentError(
                     f"load of {self.request_id!r}: {len(local)} local and {len(remote)} "
                     "remote group columns, local_blocks among them; expected as many")
+        _block_list(self.local_state, "local_state")
+        _block_list(self.remote_state, "remote_state")
+        if len(self.local_state) != len(self.remote_state) or (self.local_state and not n) \
+                or NULL_BLOCK_ID in self.local_state:
+            raise InvalidArgumentError(
+                f"load of {self.request_id!r}: {len(self.local_state)} local and "
+                f"{len(self.remote_state)} remote state blocks (none without attention "
+                "blocks, never the null block); expected one of each per state group")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields (block ids as lists)."""
@@ -210,7 +263,8 @@ class NixlLoad:
                 "local_blocks": list(self.local_blocks),
                 "remote_blocks": list(self.remote_blocks), "notification": self.notification,
                 "secret": self.secret, "local_groups": [list(c) for c in self.local_groups],
-                "remote_groups": [list(c) for c in self.remote_groups]}
+                "remote_groups": [list(c) for c in self.remote_groups],
+                "local_state": list(self.local_state), "remote_state": list(self.remote_state)}
 
 
 _MAX_RANK = 1 << 20
@@ -229,16 +283,19 @@ class _LoadWire(msgspec.Struct, forbid_unknown_fields=True):
     secret: str
     local_groups: list[list[int]]
     remote_groups: list[list[int]]
+    local_state: list[int]
+    remote_state: list[int]
 
 
 class _MetaWire(msgspec.Struct, forbid_unknown_fields=True):
     """``NixlMetadata`` as it crosses: kind and version first, peers' ranks as keys."""
 
     kind: Literal["kvspec.nixl"]
-    version: Literal[3]
+    version: Literal[4]
     loads: list[_LoadWire]
     sends: dict[str, str]
     peers: dict[str, dict[_Rank, dict[str, Any]]]  # ranks written as decimal keys
+    snaps: dict[str, list[int]]
 
 
 _META_DECODER = msgspec.json.Decoder(_MetaWire)
@@ -256,6 +313,9 @@ class NixlMetadata:
             or at ``free_timeout_s``.
         peers: Producer engines the workers have not been told about yet: engine id to
             ``{rank: PeerInfo JSON}``.
+        snaps: Producer with state groups: requests whose state each rank copies into its
+            staging rows at the end of this step (``wait_for_save``), with each state
+            group's block (the staging row is the block's id).
 
     Encodes to UTF-8 JSON; ``decode`` validates every field (ERR-005, ERR-006).
     """
@@ -263,6 +323,7 @@ class NixlMetadata:
     loads: tuple[NixlLoad, ...] = ()
     sends: Mapping[str, str] = attrs.field(factory=dict)
     peers: Mapping[str, Mapping[int, Mapping[str, Any]]] = attrs.field(factory=dict)
+    snaps: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.loads, tuple) or not all(isinstance(j, NixlLoad)
@@ -285,19 +346,26 @@ class NixlMetadata:
             ) for e, m in self.peers.items()
         ):
             raise InvalidArgumentError("peers must map engine ids to {rank: peer info}")
+        if not isinstance(self.snaps, Mapping) or not all(
+            isinstance(r, str) and r and isinstance(b, tuple) and b
+            and NULL_BLOCK_ID not in _block_list(b, "snaps") for r, b in self.snaps.items()
+        ):
+            raise InvalidArgumentError(
+                f"snaps must map request ids to state block ids, got {self.snaps!r:.200}")
 
     @property
     def is_empty(self) -> bool:
         """True when the metadata describes nothing."""
-        return not (self.loads or self.sends or self.peers)
+        return not (self.loads or self.sends or self.peers or self.snaps)
 
     def encode(self) -> bytes:
-        """UTF-8 JSON, no pickle (ERR-006): ``{kind, version, loads, sends, peers}``, ranks
-        as decimal object keys."""
+        """UTF-8 JSON, no pickle (ERR-006): ``{kind, version, loads, sends, peers, snaps}``,
+        ranks as decimal object keys."""
         return _META_ENCODER.encode(_MetaWire(
             _META_KIND, _META_VERSION, [_LoadWire(**j.to_json()) for j in self.loads],
             dict(self.sends), {e: {r: thaw_params(p) for r, p in m.items()}
-                               for e, m in self.peers.items()}))
+                               for e, m in self.peers.items()},
+            {r: list(b) for r, b in self.snaps.items()}))
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
@@ -319,8 +387,10 @@ class NixlMetadata:
                 j.request_id, j.engine_id, _block_list(j.local_blocks, "local_blocks"),
                 _block_list(j.remote_blocks, "remote_blocks"), j.notification, j.secret,
                 tuple(map(tuple, j.local_groups)), tuple(map(tuple, j.remote_groups)),
+                tuple(j.local_state), tuple(j.remote_state),
             ) for j in wire.loads)
-            return cls(loads=loads, sends=wire.sends, peers=wire.peers)
+            return cls(loads=loads, sends=wire.sends, peers=wire.peers,
+                       snaps={r: tuple(b) for r, b in wire.snaps.items()})
         except InvalidArgumentError as e:
             _malformed(e.message)
 
@@ -335,6 +405,20 @@ class _Handoff:
     peers: Mapping[int, Mapping[str, Any]]
     secret: str
     groups: tuple[tuple[int, ...], ...] = ()
+    state: tuple[int, tuple[int, ...]] | None = None  # (tokens, each state group's row)
+
+
+def _state_of(value: object) -> tuple[int, tuple[int, ...]]:
+    """A hand-off's ``"state"``: ``{"tokens": T, "blocks": [row, ...]}``."""
+    if not isinstance(value, Mapping) or set(value) != {"tokens", "blocks"}:
+        raise InvalidArgumentError(f"state must be {{tokens, blocks}}, got {value!r:.200}")
+    tokens = value["tokens"]
+    if type(tokens) is not int or tokens < 1:
+        raise InvalidArgumentError(f"state tokens must be an int >= 1, got {tokens!r}")
+    rows = _block_list(value["blocks"], "state blocks")
+    if not rows or NULL_BLOCK_ID in rows or len(rows) > 64:
+        raise InvalidArgumentError(f"state blocks must name 1 to 64 blocks, got {rows!r}")
+    return tokens, rows
 
 
 def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
@@ -362,8 +446,9 @@ def _handoff(params: Mapping[str, Any] | None) -> _Handoff | None:
             else ()
         if groups and blocks not in groups:
             raise InvalidArgumentError("blocks must be one of the groups' columns")
+        state = _state_of(params["state"]) if "state" in params else None
         return _Handoff(engine, rid, blocks, ranks,
-                        _check_secret(params["secret"], "secret"), groups)
+                        _check_secret(params["secret"], "secret"), groups, state)
     except KeyError as e:
         raise MalformedMetadataError(
             f"kv_transfer_params of kind {PARAMS_KIND!r} lack the key {e}; expected "
@@ -384,8 +469,15 @@ class NixlScheduler(SchedulerConnector):
         self._settings = NixlSettings.from_config(config)
         self._config = config
         self._bs = config.block_size
+        self._state_ids = state_groups(config)
         self._groups = config.kv_cache_groups if config.num_groups > 1 else ()
-        self._spine = spine_of(config, "NIXL")
+        if self._state_ids:  # one attention group: its blocks are the spine's
+            self._groups = ()
+        self._spine = spine_of(config, "NIXL", states=True)
+        self._state_blocks: dict[str, tuple[int, ...]] = {}  # producer: rid -> state blocks
+        self._prompts: dict[str, int] = {}  # producer: rid -> prompt tokens
+        self._snapped: dict[str, tuple[tuple[int, ...], int]] = {}  # rid -> (rows, tokens)
+        self._pending_snaps: dict[str, tuple[int, ...]] = {}
         self._producer = config.role in (TransferRole.PRODUCER, TransferRole.BOTH)
         self._peers: dict[int, Mapping[str, Any]] = {}
         self._peers_sent: dict[str, Mapping[int, Mapping[str, Any]]] = {}
@@ -402,8 +494,12 @@ class NixlScheduler(SchedulerConnector):
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, HandshakeMetadata]) -> None:
         """Keep every rank's ``PeerInfo`` (HSK-002), handed to consumers in the
-        ``kv_transfer_params`` of each request."""
+        ``kv_transfer_params`` of each request; with state groups, under ``"state"``, the
+        rank's state agent and state layouts (STG-010)."""
         self._peers = {r: thaw_params(h.payload.get("peer", {})) for r, h in metadata.items()}
+        for r, h in metadata.items():  # with state groups: the rank's state agent and layouts
+            if "state" in h.payload:
+                self._peers[r] = {**self._peers[r], "state": thaw_params(h.payload["state"])}
 
     # -- consumer -----------------------------------------------------------------------
 
@@ -411,6 +507,18 @@ class NixlScheduler(SchedulerConnector):
         h = _handoff(request.kv_transfer_params)
         if h is None or computed % self._bs or request.request_id in self._consumed:
             return h, 0
+        if bool(self._state_ids) != (h.state is not None) or (
+                h.state is not None and len(h.state[1]) != len(self._state_ids)):
+            raise MalformedMetadataError(
+                f"the hand-off of request {request.request_id!r} carries "
+                f"{len(h.state[1]) if h.state else 0} state group(s); this engine runs "
+                f"{len(self._state_ids)}: both engines must run the same model", clause="SCH-018")
+        if h.state is not None:  # exactly the tokens whose state was handed off (STG-003)
+            tokens = h.state[0]
+            if tokens % self._bs or tokens > len(h.blocks) * self._bs or computed >= tokens \
+                    or tokens >= request.num_prompt_tokens:
+                return h, 0
+            return h, tokens - computed
         if len(h.groups or (h.blocks,)) != len(self._groups or (None,)):
             raise MalformedMetadataError(
                 f"the hand-off of request {request.request_id!r} carries "
@@ -479,7 +587,7 @@ class NixlScheduler(SchedulerConnector):
             )
         first, last = start // self._bs, (start + num_external_tokens) // self._bs
         ids = blocks.block_ids(self._spine)
-        shortest = min(map(len, blocks.groups))
+        shortest = min(len(g) for j, g in enumerate(blocks.groups) if j not in self._state_ids)
         if last > len(h.blocks) or last > shortest:
             raise InvalidArgumentError(
                 f"request {rid!r}: external blocks [{first}, {last}) exceed the "
@@ -490,9 +598,20 @@ class NixlScheduler(SchedulerConnector):
         if self._groups and last > first:
             local_groups = tuple(tuple(g[first:last]) for g in blocks.groups)
             remote_groups = tuple(c[first:last] for c in h.groups)
+        local_state: tuple[int, ...] = ()
+        remote_state: tuple[int, ...] = ()
+        if h.state is not None and last > first:
+            if last * self._bs != h.state[0]:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: external tokens end at {last * self._bs}; the state "
+                    f"handed off is the state after {h.state[0]}", clause="STG-003")
+            local_state = tuple(blocks.groups[g][self._config.kv_cache_groups[g].state_index(
+                h.state[0]) or 0] for g in self._state_ids)
+            remote_state = h.state[1]
         self._pending_loads.append(NixlLoad(rid, h.engine_id, tuple(ids[first:last]),
                                             h.blocks[first:last], h.request_id, h.secret,
-                                            local_groups, remote_groups))
+                                            local_groups, remote_groups, local_state,
+                                            remote_state))
         self._consumed.add(rid)
         if num_external_tokens:
             self._loading.add(rid)
@@ -530,6 +649,15 @@ class NixlScheduler(SchedulerConnector):
             As ``request_finished``; InvalidArgumentError when ``blocks`` does not have
             the engine's groups (KVG-006).
         """
+        if self._state_ids:
+            check_request(request)
+            check_blocks(blocks)
+            blocks.check_budget(self._config.num_blocks)
+            if blocks.num_groups != self._config.num_groups:
+                raise InvalidArgumentError(
+                    f"request {request.request_id!r} finished with {blocks.num_groups} groups "
+                    f"of blocks; the engine has {self._config.num_groups}", clause="KVG-006")
+            return self._finish(request, blocks.block_ids(self._spine), (), blocks)
         if not self._groups:
             return super().request_finished_all_groups(request, blocks)
         check_request(request)
@@ -542,8 +670,12 @@ class NixlScheduler(SchedulerConnector):
         return self._finish(request, blocks.block_ids(self._spine), blocks.groups)
 
     def _finish(self, request: RequestView, block_ids: tuple[int, ...],
-                groups: tuple[tuple[int, ...], ...]) -> tuple[bool, Mapping[str, Any] | None]:
+                groups: tuple[tuple[int, ...], ...], all_groups: AllocatedBlocks | None = None,
+                ) -> tuple[bool, Mapping[str, Any] | None]:
         rid = request.request_id
+        snapped = self._snapped.pop(rid, None)
+        self._state_blocks.pop(rid, None)
+        self._prompts.pop(rid, None)
         self._known.discard(rid)
         self._asked.pop(rid, None)
         self._consumed.discard(rid)
@@ -554,6 +686,15 @@ class NixlScheduler(SchedulerConnector):
             return False, None
         full = min(len(block_ids), request.num_prompt_tokens // self._bs,
                    request.num_computed_tokens // self._bs, *map(len, groups))
+        state: dict[str, Any] | None = None
+        if self._state_ids:  # the state after exactly the tokens handed off (STG-014)
+            now = None if all_groups is None else tuple(
+                all_groups.groups[g][0] if all_groups.groups[g] else NULL_BLOCK_ID
+                for g in self._state_ids)
+            if snapped is None or snapped[0] != now or snapped[1] > full * self._bs:
+                return False, None  # no copy of a whole-block state: nothing to hand off
+            full = snapped[1] // self._bs
+            state = {"tokens": snapped[1], "blocks": list(snapped[0])}
         if full == 0 or not self._peers:
             return False, None
         self._sending.add(rid)
@@ -566,6 +707,8 @@ class NixlScheduler(SchedulerConnector):
         }
         if groups:
             params["groups"] = [list(g[:full]) for g in groups]
+        if state is not None:
+            params["state"] = state
         return True, params
 
     # -- per step -----------------------------------------------------------------------
@@ -574,12 +717,42 @@ class NixlScheduler(SchedulerConnector):
         """The READs, hand-offs and new peers planned since the last call, once each
         (SCH-011, SCH-013); never waits (SCH-014)."""
         check_scheduler_output(scheduler_output)
+        if self._state_ids and self._producer:
+            self._plan_snaps(scheduler_output)
         meta = NixlMetadata(tuple(self._pending_loads), dict(self._pending_sends),
-                            dict(self._pending_peers))
+                            dict(self._pending_peers), dict(self._pending_snaps))
+        self._pending_snaps.clear()
         self._pending_loads.clear()
         self._pending_sends.clear()
         self._pending_peers.clear()
         return meta
+
+    def _plan_snaps(self, out: SchedulerOutputView) -> None:
+        """Producer: the requests whose step ends on a block boundary below their prompt's
+        last token; their workers copy the state after it at the end of the step."""
+        computed: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            rid = new.request.request_id
+            self._prompts[rid] = new.request.num_prompt_tokens
+            self._state_blocks[rid] = tuple(
+                new.blocks.groups[g][0] if new.blocks.groups[g] else NULL_BLOCK_ID
+                for g in self._state_ids)
+            computed[rid] = new.num_computed_tokens
+        for cached in out.scheduled_cached_reqs:
+            computed[cached.request_id] = cached.num_computed_tokens
+        for rid, n in out.num_scheduled_tokens.items():
+            start = computed.get(rid)
+            rows = self._state_blocks.get(rid)
+            if start is None or rows is None:
+                continue
+            done = self._snapped.get(rid)
+            if done is not None and start < done[1]:  # recomputed (preempted): copy again
+                del self._snapped[rid]
+            end = start + n
+            if end % self._bs == 0 and 0 < end < self._prompts[rid] \
+                    and NULL_BLOCK_ID not in rows:
+                self._pending_snaps[rid] = rows
+                self._snapped[rid] = (rows, end)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Forget finished READs and hand-offs; a failed READ's blocks are recomputed by
@@ -608,5 +781,6 @@ class NixlScheduler(SchedulerConnector):
         """Forget everything; idempotent (SCH-027)."""
         for state in (self._known, self._asked, self._loading, self._consumed, self._sending,
                       self._pending_loads, self._pending_sends, self._pending_peers,
-                      self._peers_sent):
+                      self._peers_sent, self._state_blocks, self._prompts, self._snapped,
+                      self._pending_snaps):
             state.clear()

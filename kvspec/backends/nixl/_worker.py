@@ -19,6 +19,21 @@
   counts only if it carries the hand-off's secret, which only the engine the request was
   handed to learned (from ``kv_transfer_params``): any other agent's is dropped and
   counted, so it cannot free blocks before their read.
+
+State groups (STG): ``register_state_caches`` registers a second NIXL agent per rank over a
+staging buffer, one row per block id holding every state layer's content bytes (padding
+never moves, LAY-004). A producer rank copies a request's state into the row of its state
+block at the end of each step the scheduler names (``snaps``, ``wait_for_save``); its
+handshake metadata carries that agent and each state group's layout (components, dtypes,
+offsets, content bytes, conv layout, TP size and sharding). A consumer rank compares them
+with its own before its first READ from a producer and refuses any difference with
+``CompatibilityError`` (STG-010), and any other TP size (no component split is known, so
+it never copies whole pages between different shards: STG-011). It READs the producer rank
+of its own index's state rows into its own staging rows beside the attention blocks; the
+request is one load: reported once every READ of it finished (STG-013), its state copied
+into the state blocks first, and reported failed (never finished) when any READ failed
+(STG-014). It then notifies every producer rank it read attention from itself, once all of
+them finished, so a producer frees the state block (and its row) only after the read.
 """
 
 from __future__ import annotations
@@ -43,10 +58,12 @@ from kvspec.protocols import (
     HandshakeMetadata,
     InvalidArgumentError,
     KVCacheLayout,
+    KVPacking,
     KVSpecError,
     LayoutMismatchError,
     MalformedMetadataError,
     MetadataSlot,
+    StateLayout,
     SupportsAggregate,
     TransferRole,
     WorkerConnector,
@@ -56,7 +73,7 @@ from kvspec.protocols import (
 from .._groups import storage_of
 from ._descriptors import PeerInfo
 from ._heads import head_runs, overlap
-from ._scheduler import NixlLoad, NixlMetadata, NixlSettings, _SECRET
+from ._scheduler import NixlLoad, NixlMetadata, NixlSettings, _SECRET, state_groups
 from ._transport import NixlEndpoint, NixlTransfer, TransferState
 
 __all__ = ["NixlWorker"]
@@ -81,6 +98,9 @@ class _Load:
     failed: bool = False
     engine_id: str = ""
     not_before: float = 0.0  # the fault plan's delay: reported no sooner than this
+    state: list[NixlTransfer] = attrs.field(factory=list)  # the state rows' READ
+    state_blocks: tuple[int, ...] = ()  # each state group's local block (= staging row)
+    notify: list[tuple[str, bytes]] = attrs.field(factory=list)  # sent once all finished
 
 
 @attrs.define
@@ -129,6 +149,17 @@ def _parse_notification(message: bytes) -> tuple[str, str, int] | None:
     except MalformedMetadataError:
         return None
     return rid, secret, n
+
+
+def _state_summary(layout: StateLayout) -> dict[str, object]:
+    """What peers compare of a state group's layout (STG-010, STG-011): components (name,
+    shape, dtype, byte offset), content bytes, conv layout, TP size and sharding; plain
+    JSON data."""
+    return {"components": [[c.name, list(c.shape), str(c.dtype), c.byte_offset]
+                           for c in layout.components],
+            "content_bytes": layout.content_bytes,
+            "conv_layout": None if layout.conv_layout is None else layout.conv_layout.value,
+            "tp_size": layout.tp_size, "tp_replicated": layout.tp_replicated}
 
 
 class _Poller:
@@ -223,6 +254,16 @@ class NixlWorker(WorkerConnector):
         self._layout: KVCacheLayout | None = None
         self._asleep = False  # between unregister_kv_caches and restore_kv_caches
         self._wakes = 0
+        self._state_ids = state_groups(config)
+        if self._state_ids:
+            self._groups = ()  # one attention group beside the state groups
+        self.state_endpoint: NixlEndpoint | None = None
+        """The rank's NIXL endpoint of its state staging rows (state groups only)."""
+        self._staging: torch.Tensor | None = None
+        self._state_layouts: dict[int, StateLayout] = {}
+        self._state_parts: dict[int, list[tuple[torch.Tensor, int]]] = {}  # (tensor, offset)
+        self._state_agents: dict[str, str] = {}  # producer engine -> its state agent read
+        self._snaps: dict[str, tuple[int, ...]] = {}  # producer: copied at wait_for_save
 
     # -- registration -------------------------------------------------------------------
 
@@ -279,6 +320,76 @@ class NixlWorker(WorkerConnector):
         if self._config.role is TransferRole.CONSUMER:
             self._poller = _Poller(self.endpoint, f"kvspec-nixl-progress-rank{self._rank}")
 
+    def register_state_caches(
+        self, state_caches: Mapping[str, torch.Tensor], layouts: Mapping[int, StateLayout]
+    ) -> None:
+        """Register a staging buffer of one row per block id (every state layer's content
+        bytes) with a second NIXL agent of this rank (STG-001); its layouts travel in the
+        handshake metadata (STG-010).
+
+        Raises:
+            InvalidArgumentError: called before ``register_kv_caches`` or twice, a state
+                group without a layout or a layer without a tensor (STG-001).
+            LayoutMismatchError: a tensor does not match its layout (LAY-008).
+            NixlError: NIXL refused the agent or the registration.
+        """
+        if self.endpoint is None or self.state_endpoint is not None or self._closed:
+            raise InvalidArgumentError(
+                "register_state_caches before register_kv_caches, twice, or after shutdown",
+                clause="STG-001")
+        if not isinstance(layouts, Mapping) or set(layouts) != set(self._state_ids) or not all(
+                isinstance(v, StateLayout) for v in layouts.values()):
+            raise InvalidArgumentError(
+                f"register_state_caches needs a StateLayout for each state group "
+                f"{list(self._state_ids)}, got {sorted(layouts) if isinstance(layouts, Mapping) else layouts!r}",
+                clause="STG-001")
+        parts: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        offset = 0
+        capacity = 1
+        for g in self._state_ids:
+            layout = layouts[g]
+            capacity = max(capacity, layout.block_capacity)
+            parts[g] = []
+            for name in self._config.kv_cache_groups[g].layer_names:
+                tensor = state_caches.get(name)
+                if tensor is None:
+                    raise InvalidArgumentError(
+                        f"state group {g}: no tensor registered for layer {name!r}",
+                        clause="STG-001")
+                layout.check_tensor(tensor)
+                parts[g].append((tensor, offset))
+                offset += layout.content_bytes
+        row = offset + offset % 2  # K and V halves of one uint8 "head" per row
+        device = next(iter(state_caches.values())).device
+        self._staging = torch.zeros(capacity, row, dtype=torch.uint8, device=device)
+        self._state_layouts = dict(layouts)
+        self._state_parts = parts
+        self._open_state()
+
+    def _open_state(self) -> None:
+        assert self._staging is not None
+        capacity, row = self._staging.shape
+        layout = KVCacheLayout.contiguous("LBHNC", KVPacking.CONCAT, torch.uint8, 1, capacity,
+                                          1, 1, row // 2)
+        suffix = f"-w{self._wakes}" if self._wakes else ""
+        self.state_endpoint = NixlEndpoint(
+            f"{self._config.engine_id}-rank{self._rank}{suffix}-state", self._staging, layout,
+            spec_version=SPEC_VERSION,
+            progress_thread=self._config.role is not TransferRole.CONSUMER)
+
+    def _move_state(self, group: int, block: int, *, to_staging: bool) -> None:
+        """Copy every layer's content bytes of state ``block`` to its staging row or back."""
+        assert self._staging is not None
+        layout = self._state_layouts[group]
+        n = layout.content_bytes
+        for tensor, offset in self._state_parts[group]:
+            page = layout.block_bytes(tensor, block)
+            row = self._staging[block, offset:offset + n]
+            if to_staging:
+                row.copy_(page.view(torch.uint8))
+            else:
+                page.view(torch.uint8).copy_(row)
+
     # -- sleep and wake (WRK-018, WRK-019, HSK-006) ----------------------------------------
 
     def unregister_kv_caches(self) -> None:
@@ -294,6 +405,10 @@ class NixlWorker(WorkerConnector):
             self._poller = None
         self.endpoint.close()
         self.endpoint = None
+        if self.state_endpoint is not None:
+            self.state_endpoint.close()
+            self.state_endpoint = None
+        self._state_agents.clear()
         self._sources.clear()
         self._group_runs.clear()
         self._asleep = True
@@ -335,11 +450,15 @@ class NixlWorker(WorkerConnector):
         if endpoint is None:
             return None
         info = endpoint.info
+        payload: dict[str, object] = {"peer": info.to_json()}
+        if self.state_endpoint is not None:  # the state groups' layouts (STG-010)
+            payload["state"] = {"peer": self.state_endpoint.info.to_json(), "layouts": {
+                str(g): _state_summary(lay) for g, lay in self._state_layouts.items()}}
         return HandshakeMetadata(
             engine_id=self._config.engine_id, rank=self._rank, spec_version=SPEC_VERSION,
             layout={"order": info.layout.order, "packing": info.layout.packing,
                     "dtype": info.layout.dtype, "block_size": info.layout.block_size},
-            payload={"peer": info.to_json()},
+            payload=payload,
         )
 
     # -- metadata -----------------------------------------------------------------------
@@ -352,6 +471,7 @@ class NixlWorker(WorkerConnector):
         """
         self._slot.bind(metadata)  # type: ignore[arg-type]  # the slot checks the type
         self._started = False
+        self._snaps = dict(metadata.snaps) if isinstance(metadata, NixlMetadata) else {}
 
     def clear_connector_metadata(self) -> None:
         """Start the bound metadata's work if ``start_load_kv`` did not (a step without a
@@ -399,7 +519,7 @@ class NixlWorker(WorkerConnector):
         my_heads = range(self._rank * mine.num_heads, (self._rank + 1) * mine.num_heads)
         chosen: list[tuple[int, PeerInfo, range]] = []
         for p in range(producers):
-            info = PeerInfo.from_json(ranks[p])
+            info = PeerInfo.from_json({k: v for k, v in ranks[p].items() if k != "state"})
             theirs = info.layout.num_heads
             if theirs * producers != heads:
                 raise CompatibilityError(
@@ -432,9 +552,59 @@ class NixlWorker(WorkerConnector):
         self._sources[engine_id] = sources
         return sources
 
+    def _state_source(self, engine_id: str) -> str:
+        """The state agent of ``engine_id``'s rank of this rank's index, added as a peer
+        once its state layouts were found equal to this rank's.
+
+        Raises:
+            CompatibilityError: another TP size (STG-011), or a state group whose layout
+                differs: components, dtypes, offsets, conv layout or sharding (STG-010).
+        """
+        agent = self._state_agents.get(engine_id)
+        if agent is not None:
+            return agent
+        ranks = self._peer_infos.get(engine_id)
+        endpoint = self.state_endpoint
+        if endpoint is None or ranks is None:
+            raise InvalidArgumentError(
+                f"a load with state from engine {engine_id!r} before its peer information or "
+                "before register_state_caches", clause="STG-001")
+        if len(ranks) != self._config.world_size:
+            raise CompatibilityError(
+                f"producer engine {engine_id!r} runs {len(ranks)} TP rank(s), this engine "
+                f"{self._config.world_size}: state groups are sharded by TP rank and this "
+                "backend knows no component split to move them by, so it refuses (it never "
+                "copies whole state pages between different shards)", clause="STG-011")
+        theirs = ranks.get(self._rank, {}).get("state")
+        if not isinstance(theirs, Mapping) or not isinstance(theirs.get("layouts"), Mapping):
+            raise CompatibilityError(
+                f"producer engine {engine_id!r} describes no state layout in its handshake; "
+                "this engine runs state groups", clause="STG-010")
+        for g, mine in self._state_layouts.items():
+            got = theirs["layouts"].get(str(g))
+            want = _state_summary(mine)
+            if got != want:
+                clause = "STG-011" if isinstance(got, Mapping) and got.get(
+                    "tp_size") != want["tp_size"] else "STG-010"
+                diff = sorted(k for k in want if not isinstance(got, Mapping)
+                              or got.get(k) != want[k])
+                raise CompatibilityError(
+                    f"producer engine {engine_id!r} describes state group {g} as {got!r:.300}; "
+                    f"this rank as {want!r:.300} (differ: {diff}): peers must run the same "
+                    "state layout (vLLM: the same VLLM_SSM_CONV_STATE_LAYOUT); refused, "
+                    "never copied", clause=clause)
+        info = PeerInfo.from_json(theirs.get("peer"))
+        agent = endpoint.add_peer(info)
+        self._state_agents[engine_id] = agent
+        return agent
+
     def _forget_engine(self, engine_id: str) -> None:
         """Drop the peers of ``engine_id``: its next load handshakes again (a producer
         that restarted, or whose READs failed)."""
+        state_agent = self._state_agents.pop(engine_id, None)
+        if state_agent is not None and self.state_endpoint is not None \
+                and state_agent in self.state_endpoint.peers:
+            self.state_endpoint.remove_peer(state_agent)
         sources = self._sources.pop(engine_id, ())
         endpoint = self.endpoint
         for source in sources:
@@ -465,7 +635,10 @@ class NixlWorker(WorkerConnector):
             self._poller.kick()
 
     def _read(self, endpoint: NixlEndpoint, load: NixlLoad) -> None:
+        state_agent = ""
         try:
+            if load.local_state:
+                state_agent = self._state_source(load.engine_id)  # STG-010/011 first
             sources = self._peer_sources(load.engine_id)
         except CompatibilityError:
             raise  # a misconfigured pair: fail loudly (HSK-003)
@@ -495,22 +668,25 @@ class NixlWorker(WorkerConnector):
                 f"request {load.request_id!r} already has a READ in flight", clause="SCH-013"
             )
         entry = _Load(load.local_blocks, [], engine_id=load.engine_id,
-                      not_before=time.monotonic() + self._faults.delay_s)
+                      not_before=time.monotonic() + self._faults.delay_s,
+                      state_blocks=load.local_state)
+        if load.local_state:  # the producer is told once every READ finished
+            entry.notify = [(s.agent, _notification(load, s.readers)) for s in sources]
+            self._read_state(load, state_agent, entry)
         for source in sources:
+            note = b"" if load.local_state else _notification(load, source.readers)
             try:
                 if parts is None:
                     entry.transfers.append(endpoint.start_read(
                         source.agent, load.local_blocks, load.remote_blocks,
-                        timeout=self._settings.transfer_timeout_s,
-                        notification=_notification(load, source.readers),
+                        timeout=self._settings.transfer_timeout_s, notification=note,
                     ))
                     continue
                 runs = self._runs_of(endpoint, source.agent)
                 used = [i for i, (lo, _) in enumerate(parts) if lo]
                 entry.transfers.append(endpoint.start_read(
                     source.agent, [parts[i][0] for i in used], [parts[i][1] for i in used],
-                    timeout=self._settings.transfer_timeout_s,
-                    notification=_notification(load, source.readers),
+                    timeout=self._settings.transfer_timeout_s, notification=note,
                     runs=[runs[i] for i in used],
                 ))
             except CompatibilityError:
@@ -522,7 +698,34 @@ class NixlWorker(WorkerConnector):
         if entry.transfers:  # reported once every READ that started has finished
             self._reads[load.request_id] = entry
         else:
+            self._notify(entry)
             self._failed_early[load.request_id] = load.local_blocks
+
+    def _read_state(self, load: NixlLoad, agent: str, entry: _Load) -> None:
+        """Start the READ of the producer's staging rows of ``load`` into this rank's rows
+        of its state blocks (one row per state group's block)."""
+        endpoint = self.state_endpoint
+        assert endpoint is not None
+        try:
+            entry.state.append(endpoint.start_read(
+                agent, list(load.local_state), list(load.remote_state),
+                timeout=self._settings.transfer_timeout_s))
+        except CompatibilityError:
+            raise
+        except KVSpecError as e:
+            _log.warning("rank %d: state READ of %s not started: %s", self._rank,
+                         load.request_id, str(e))
+            entry.failed = True
+
+    def _notify(self, entry: _Load) -> None:
+        """Tell every producer rank ``entry`` read attention from that it may free."""
+        endpoint = self.endpoint
+        for agent, message in entry.notify:
+            if endpoint is not None and not endpoint.closed:
+                endpoint.send_notification(agent, message)
+        entry.notify = []
+        if self._poller is not None:
+            self._poller.kick()
 
     @staticmethod
     def _parts(load: NixlLoad) -> list[tuple[list[int], list[int]]] | None:
@@ -549,9 +752,15 @@ class NixlWorker(WorkerConnector):
         return runs
 
     def wait_for_save(self) -> None:
-        """Return at once: the producer's blocks are read by the consumer, held by a
-        delayed free until then (SCH-016, WRK-007)."""
+        """The producer's blocks are read by the consumer, held by a delayed free until
+        then (SCH-016, WRK-007). With state groups, first copy the state of each request the
+        step's metadata names (``snaps``) into its staging rows: the step's forward is done,
+        so the running state is the state after exactly the step's tokens."""
         self._slot.get("wait_for_save")
+        snaps, self._snaps = self._snaps, {}
+        for rows in snaps.values():
+            for g, block in zip(self._state_ids, rows):
+                self._move_state(g, block, to_staging=True)
 
     # -- completion ---------------------------------------------------------------------
 
@@ -577,13 +786,22 @@ class NixlWorker(WorkerConnector):
                 _log.warning("rank %d: dropped %d malformed, spoofed or excess notifications, the "
                              "first from %s: %r", self._rank, sum(n for _, n, _ in dropped),
                              peer, first)
+            state_ep = self.state_endpoint
             for rid, entry in list(self._reads.items()):
                 states = [endpoint.poll(t) for t in entry.transfers]
+                if entry.state:
+                    states += [state_ep.poll(t) if state_ep is not None and not state_ep.closed
+                               else TransferState.FAILED for t in entry.state]
                 if TransferState.IN_PROGRESS in states or now < entry.not_before:
                     continue  # its blocks are still being written: report all at once
                 del self._reads[rid]
                 recving.add(rid)
-                bad = [t for t in entry.transfers if t.state is TransferState.FAILED]
+                bad = [t for t in [*entry.transfers, *entry.state]
+                       if t.state is TransferState.FAILED]
+                if not (bad or entry.failed):  # the state into its blocks, then the report
+                    for g, block in zip(self._state_ids, entry.state_blocks):
+                        self._move_state(g, block, to_staging=False)
+                self._notify(entry)
                 for transfer in bad:
                     _log.warning("rank %d: READ of %s from %s failed: %s", self._rank, rid,
                                  transfer.peer, transfer.reason)
@@ -598,7 +816,9 @@ class NixlWorker(WorkerConnector):
                     self._count(load_failures=len(entry.local_blocks))
                 else:
                     self._count(blocks_loaded=len(entry.local_blocks),
-                                bytes_loaded=sum(t.nbytes for t in entry.transfers))
+                                bytes_loaded=sum(t.nbytes for t in entry.transfers),
+                                **({"states_loaded": len(entry.state_blocks)}
+                                   if entry.state_blocks else {}))
         for rid, (deadline, secret) in list(self._sends.items()):
             notes = self._notes.get((rid, secret))
             if notes is not None and notes.got >= notes.expected:
@@ -718,6 +938,8 @@ class NixlWorker(WorkerConnector):
             self._poller.close()
         if self.endpoint is not None:
             self.endpoint.close()
+        if self.state_endpoint is not None:
+            self.state_endpoint.close()
         self._reads.clear()
         self._sends.clear()
         self._notes.clear()

@@ -46,7 +46,10 @@ class NixlConnector(ConnectorFactory):
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
         heterogeneous TP (a consumer rank reads the producer ranks whose KV heads overlap its
         own), full and sliding-window groups (up to 8; several need a layer-outermost
-        layout, and a failed READ then fails its request, KVG-005), sleep mode (the KV memory
+        layout, and a failed READ then fails its request, KVG-005), state groups under
+        RUNNING caching beside one full-attention group (the state after the hand-off's
+        last whole block, refused across differing state layouts or TP sizes, STG-010,
+        STG-011), sleep mode (the KV memory
         deregistered at sleep, a new agent registered at wake, peers re-handshake)."""
         return Capabilities(
             async_loads=True,
@@ -59,7 +62,8 @@ class NixlConnector(ConnectorFactory):
             heterogeneous_tp=True,
             fault_injection=True,  # fail_loads and delay_s on the consumer's READs
             kv_cache_groups=8,
-            group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW}),
+            group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW,
+                                   GroupKind.STATE}),
             sleep_mode=True,  # deregisters at sleep, a new agent at wake (HSK-006)
         )
 

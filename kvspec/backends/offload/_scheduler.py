@@ -36,6 +36,7 @@ from kvspec.protocols import (
     RequestView,
     SchedulerConnector,
     SchedulerOutputView,
+    StateCaching,
     UnknownRequestError,
 )
 
@@ -612,12 +613,17 @@ class OffloadScheduler(SchedulerConnector):
         self._groups = groups if len(groups) > 1 else ()
         self._spine = 0
         if self._groups:
-            self._spine = spine_of(config, "offload")
+            self._spine = spine_of(config, "offload", states=True)
             if self._settings.sync_loads:
                 raise CapabilityError(
                     "the offload backend moves several KV-cache groups only with "
                     "asynchronous loads (failures per request, KVG-005)", clause="KVG-002")
             self._serve_pending = False  # a store runs after its step's forward
+        # State groups (STG-001): a slot also holds each state group's state after the
+        # slot's block when the store read it at that boundary (``_with_state``); a match
+        # ends only at such a key (STG-003).
+        self._state_ids = frozenset(config.state_group_ids) if self._groups else frozenset()
+        self._with_state: set[bytes] = set()
         self._partial: set[bytes] = set()  # stored (or storing) without some group's bytes
         self._inflight: dict[bytes, tuple[int, int]] = {}  # storing: key -> (slot, tag)
         self._config = config
@@ -693,10 +699,21 @@ class OffloadScheduler(SchedulerConnector):
             stored = takewhile(index.__contains__, keys[start:end])  # the stored prefix
         n = len(list(stored))
         if self._partial and n:
-            partial = self._partial
-            n = whole_prefix(self._groups, self._spine, start, n, bs,
-                             lambda _, i: keys[i] in partial)
+            n = self._whole(keys, start, n)
+        if self._state_ids:  # STG-003: only where the state after exactly n blocks is held
+            with_state = self._with_state
+            while n and keys[start + n - 1] not in with_state:
+                n -= 1
+                if self._partial and n:
+                    n = self._whole(keys, start, n)
         return n * bs
+
+    def _whole(self, keys: Sequence[bytes], start: int, n: int) -> int:
+        """``whole_prefix`` over the attention groups (a state group's bytes are checked
+        apart, ``_with_state``)."""
+        partial, states = self._partial, self._state_ids
+        return whole_prefix(self._groups, self._spine, start, n, self._block_size,
+                            lambda j, i: j not in states and keys[i] in partial)
 
     def _awaits_store(self, request: RequestView, num_computed_tokens: int, count: int) -> bool:
         """Without loads of stores in flight: True when the block after the match is in a
@@ -774,7 +791,8 @@ class OffloadScheduler(SchedulerConnector):
         first, last = start // bs, (start + num_external_tokens) // bs
         all_keys = request.block_hashes
         ids = blocks.block_ids(self._spine)
-        shortest = min(map(len, blocks.groups)) if self._groups else len(ids)
+        shortest = min(len(g) for j, g in enumerate(blocks.groups)
+                       if j not in self._state_ids) if self._groups else len(ids)
         if last > len(all_keys) or last > shortest:
             raise InvalidArgumentError(
                 f"request {rid!r}: external blocks [{first}, {last}) exceed its "
@@ -793,9 +811,14 @@ class OffloadScheduler(SchedulerConnector):
         self._counters["hit_blocks"] += hits
         columns: tuple[tuple[int, ...], ...] = ()
         if self._groups:
-            columns = tuple(tuple(g[first:last]) for g in blocks.groups)
+            columns = tuple(self._state_column(j, g, range(first, last), last * bs)
+                            if j in self._state_ids else tuple(g[first:last])
+                            for j, g in enumerate(blocks.groups))
+            if self._state_ids and keys[-1] not in self._with_state:
+                slots = (-1,) * len(slots)  # its state is gone: the load fails (STG-003)
             if self._partial:  # a block the engine wants that was stored without it fails
-                others = [c for g, c in enumerate(columns) if g != self._spine]
+                others = [c for g, c in enumerate(columns)
+                          if g != self._spine and g not in self._state_ids]
                 slots = tuple(-1 if keys[i] in self._partial and any(
                     c[i] != NULL_BLOCK_ID for c in others) else s for i, s in enumerate(slots))
         job = TransferJob._build(rid, tuple(ids[first:last]), slots, tags, True, typed=None,
@@ -807,6 +830,21 @@ class OffloadScheduler(SchedulerConnector):
             self._sync_loaded.update(zip(job.block_ids, zip(keys, slots)))
         else:
             self._loading[rid] = _Record(job, keys)
+
+    def _state_column(self, group: int, ids: Sequence[int], positions: Sequence[int],
+                      end: int) -> tuple[int, ...]:
+        """State group ``group``'s column of a job over block ``positions``: the block
+        holding the state after ``end`` tokens (index ``ceil(end / block_size) - 1`` of the
+        group's list, STG-002) at the position whose block ends at ``end``, the null block
+        everywhere else (KVG-004). All null when ``end`` is not a block boundary among the
+        positions or the group's list has no block there."""
+        column = [NULL_BLOCK_ID] * len(positions)
+        at = end // self._block_size - 1
+        index = self._config.kv_cache_groups[group].state_index(end) if end else None
+        if end % self._block_size == 0 and index is not None and index < len(ids) \
+                and at in positions:
+            column[list(positions).index(at)] = ids[index]
+        return tuple(column)
 
     def _pending_slots(self, keys: Sequence[bytes]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Slots and expected tags of ``keys``: stored ones, ones whose store is in flight
@@ -846,6 +884,7 @@ class OffloadScheduler(SchedulerConnector):
         """Forget stored ``key``: free its slot now, or when its last load ends."""
         slot = self._index.pop(key)
         self._partial.discard(key)
+        self._with_state.discard(key)
         if not evicted:
             self._policy.remove(key)
         if slot in self._pinned_slots():
@@ -988,19 +1027,24 @@ class OffloadScheduler(SchedulerConnector):
             self._no_store.discard(rid)
             return stored_before or held, None
         full = min(len(request.block_hashes), request.num_computed_tokens // self._block_size,
-                   len(block_ids), *map(len, groups))
-        planned = self._plan_store(request, block_ids, 0, full, groups, (0,) * len(groups))
+                   len(block_ids), *(len(g) for j, g in enumerate(groups)
+                                     if j not in self._state_ids))
+        planned = self._plan_store(request, block_ids, 0, full, groups, (0,) * len(groups),
+                                   request.num_computed_tokens)
         return planned or stored_before or held, None
 
     def _plan_store(
         self, request: RequestView, block_ids: Sequence[int], start: int, full: int,
         groups: Sequence[Sequence[int]] = (), valid_from: Sequence[int] = (),
+        state_end: int = 0,
     ) -> bool:
         """Plan a store of the request's blocks at positions ``[start, full)`` that are
         neither stored nor being stored; True if one was planned. With several groups,
         ``groups`` holds each group's block ids and ``valid_from`` the first position whose
         id the engine still holds (a sliding window's earlier ones may be freed): other
-        positions and null blocks are left out of that group's column."""
+        positions and null blocks are left out of that group's column. A state group's
+        column names its block only at the position that ends at ``state_end`` tokens, the
+        tokens computed when the workers read the store (STG-006)."""
         rid = request.request_id
         index, storing = self._index, self._inflight
         keys: Sequence[bytes] = request.block_hashes[start:full]
@@ -1036,10 +1080,13 @@ class OffloadScheduler(SchedulerConnector):
         self._next_tag += 1
         columns: tuple[tuple[int, ...], ...] = ()
         if groups:
+            states = self._state_ids
             columns = tuple(
+                self._state_column(j, ids_g, positions[:n], state_end) if j in states else
                 tuple(ids_g[p] if p >= first else NULL_BLOCK_ID for p in positions[:n])
-                for ids_g, first in zip(groups, valid_from))
-            self._partial.update(k for k, *col in zip(keys[:n], *columns)
+                for j, (ids_g, first) in enumerate(zip(groups, valid_from)))
+            attention = [c for j, c in enumerate(columns) if j not in states]
+            self._partial.update(k for k, *col in zip(keys[:n], *attention)
                                  if NULL_BLOCK_ID in col)
         job = TransferJob._build(rid, tuple(ids[:n]), tuple(slots), (tag,) * n, False,
                                  typed=None, groups=columns)
@@ -1076,11 +1123,13 @@ class OffloadScheduler(SchedulerConnector):
             # workers copy it after the forward, before the next schedule can free a
             # window block (KVG-004); with one, in the step after.
             upto = computed + scheduled.get(r.request.request_id, 0) if groups else computed
-            full = min(len(r.request.block_hashes), upto // bs, *map(len, r.groups))
+            full = min(len(r.request.block_hashes), upto // bs,
+                       *(len(g) for j, g in enumerate(r.groups) if j not in self._state_ids))
             if full > r.upto:
                 start, r.upto = r.upto, full
                 self._plan_store(r.request, r.block_ids, start, full, r.groups if groups else (),
-                                 tuple(g.first_needed_token(computed) // bs for g in groups))
+                                 tuple(g.first_needed_token(computed) // bs for g in groups),
+                                 upto)
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -1190,6 +1239,10 @@ class OffloadScheduler(SchedulerConnector):
                     continue
                 tag, slots = job.tags[0], job.slots
                 self._index.update(zip(record.keys, slots))
+                if self._state_ids:  # keys whose slot holds every state group's state
+                    states = [job.groups[g] for g in sorted(self._state_ids)]
+                    self._with_state.update(k for k, *col in zip(record.keys, *states)
+                                            if NULL_BLOCK_ID not in col)
                 if record.run:  # one run: at C speed
                     first, n = slots[0], len(slots)
                     self._slot_tag[first:first + n] = (tag,) * n
@@ -1213,6 +1266,7 @@ class OffloadScheduler(SchedulerConnector):
             self._stale_tags.update(record.job.tags[0] for record in records)
         self._inflight.clear()
         self._partial.clear()
+        self._with_state.clear()
         self._sync_loaded.clear()
         self._running.clear()
         self._no_store = set(self._known)

@@ -72,15 +72,17 @@ from kvspec.protocols import (
     KVCacheLayout,
     KVSpecError,
     MetadataSlot,
+    StateLayout,
     SupportsAggregate,
     TransferTimeoutError,
     WorkerConnector,
 )
 
-from ._pool import CopyPlan, HostPool
+from ._pool import CopyPlan, HostPool, OffloadCapacityError
 from ._runner import Runner
 from ._stage import SaveStage
 from ._scheduler import FailedStores, OffloadMetadata, OffloadSettings, TransferJob
+from ._state import StatePool
 
 __all__ = ["OffloadWorker"]
 
@@ -151,6 +153,14 @@ class OffloadWorker(WorkerConnector):
                 "the offload backend moves several KV-cache groups only with background "
                 "stores and asynchronous loads (failures per request, KVG-005)",
                 clause="KVG-002")
+        self._state_ids = frozenset(config.state_group_ids) if self._groups else frozenset()
+        self._attention_ids = tuple(g for g in range(len(self._groups))
+                                    if g not in self._state_ids)
+        self.states: StatePool | None = None
+        """Host copies of the state groups' states, once ``register_state_caches`` ran."""
+        self._state_args: tuple[Mapping[str, torch.Tensor], Mapping[int, StateLayout]] | None \
+            = None
+        self._asleep_states: torch.Tensor | None = None
         self._after_forward: list[_Job] = []  # several groups: stores run after the forward
         self._slot: MetadataSlot[OffloadMetadata] = MetadataSlot(OffloadMetadata)
         self._started = False
@@ -231,9 +241,9 @@ class OffloadWorker(WorkerConnector):
         tensors = list(kv_caches.values())
         layout.check_layer_tensors(tensors)  # one buffer at the stated offsets (LAY-008)
         storages: list[frozenset[int]] = []
-        if self._groups:
+        if len(self._attention_ids) > 1:  # the pool moves several attention groups
             slot_of = dict(zip(kv_caches, layout.layer_slots))
-            for g, group in enumerate(self._groups):
+            for g, group in ((g, self._groups[g]) for g in self._attention_ids):
                 missing = [n for n in group.layer_names if n not in slot_of]
                 if missing:
                     raise InvalidArgumentError(
@@ -241,6 +251,53 @@ class OffloadWorker(WorkerConnector):
                         f"registered; registered: {list(slot_of)[:4]}...", clause="KVG-001")
                 storages.append(frozenset(slot_of[n] for n in group.layer_names))
         return storages
+
+    def register_state_caches(
+        self, state_caches: Mapping[str, torch.Tensor], layouts: Mapping[int, StateLayout]
+    ) -> None:
+        """Allocate the host copies of the state groups' states, one row per pool slot
+        (STG-001); again after a wake (the rows, their contents included, are kept).
+
+        Raises:
+            InvalidArgumentError: before ``register_kv_caches``, layouts of other groups
+                than the engine's state groups, or a layer without a tensor (STG-001).
+            LayoutMismatchError: a tensor does not match its group's layout (LAY-008).
+            OffloadCapacityError: the pool and the states do not fit ``offload_bytes``.
+        """
+        if self.pool is None:
+            raise InvalidArgumentError(
+                "register_state_caches before register_kv_caches", clause="STG-001")
+        if set(layouts) != self._state_ids or not all(
+                isinstance(v, StateLayout) for v in layouts.values()):
+            raise InvalidArgumentError(
+                f"register_state_caches got layouts of groups {sorted(layouts)}; the engine's "
+                f"state groups are {sorted(self._state_ids)}", clause="STG-001")
+        s = self._settings
+        kept = self.states.host if self.states is not None else self._asleep_states
+        self._asleep_states = None
+        states = StatePool(state_caches, layouts,
+                           {g: self._groups[g].layer_names for g in self._state_ids},
+                           s.offload_slots)
+        need = s.offload_slots * (self.pool.bytes_per_block + states.bytes_per_slot)
+        if need > s.offload_bytes:
+            raise OffloadCapacityError(
+                f"offload_slots={s.offload_slots} slots of {self.pool.bytes_per_block} KV "
+                f"bytes and {states.bytes_per_slot} state bytes need {need} bytes per rank; "
+                f"the budget offload_bytes is {s.offload_bytes}", clause="ERR-002")
+        if kept is not None and kept.shape == states.host.shape:
+            states.host = kept
+        self.states = states
+        self._state_args = (state_caches, layouts)
+
+    def _move_states(self, job: TransferJob, store: bool) -> int:
+        """Copy ``job``'s state blocks (its state groups' non-null ids) to or from their
+        slots; the bytes moved."""
+        if not self._state_ids or not job.groups:
+            return 0
+        if self.states is None:
+            raise InvalidArgumentError(
+                "a job moves state blocks but no state caches are registered", clause="STG-001")
+        return self.states.move({g: job.groups[g] for g in self._state_ids}, job.slots, store)
 
     def _bind_tensors(self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
                       ) -> None:
@@ -287,6 +344,9 @@ class OffloadWorker(WorkerConnector):
         self._layer_of = {}
         self._asleep_host = self.pool.detach_kv()
         self.pool = None
+        if self.states is not None:  # the state rows are kept, the tensors dropped
+            self._asleep_states = self.states.host
+            self.states = None
 
     def restore_kv_caches(
         self, kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
@@ -498,7 +558,8 @@ class OffloadWorker(WorkerConnector):
                 raise InvalidArgumentError(
                     f"request {job.request_id!r} already has a load in flight", clause="SCH-013",
                 )
-            plans.append(self._plan(pool, job))  # range checks (LAY-012) happen here
+            plans.append(self._plan(pool, job, self._attention_ids) if self._state_ids
+                         else self._plan(pool, job))  # range checks (LAY-012) happen here
         event = None
         if self._stream is not None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -542,19 +603,25 @@ class OffloadWorker(WorkerConnector):
         return self._stuck[0] if self._stuck else None
 
     @staticmethod
-    def _plan(pool: HostPool, job: TransferJob) -> CopyPlan | None:
+    def _plan(pool: HostPool, job: TransferJob,
+              attention: tuple[int, ...] | None = None) -> CopyPlan | None:
         """Check and plan ``job``'s copy: every block of a store; a load's blocks that have
         a slot (a slot of -1 was evicted: that block fails). None when nothing moves.
+        ``attention``: the attention groups' indices when the engine has state groups (their
+        columns move apart, ``StatePool``); None: every group is an attention group.
 
         Raises:
             InvalidBlockIdError: a block id outside the budget (LAY-012).
             OffloadCapacityError: a slot outside the pool (ERR-002).
         """
         if job.groups:  # a load that lacks a block fails as a whole (KVG-005)
+            # The attention groups' columns; a state group's blocks move apart (StatePool).
+            columns = [c for g, c in enumerate(job.groups)
+                       if attention is None or g in attention] if pool.columns else []
             if -1 in job.slots:
-                pool.plan(job.block_ids, [0] * len(job), checked=True, columns=job.groups)
+                pool.plan(job.block_ids, [0] * len(job), checked=True, columns=columns)
                 return None
-            return pool.plan(job.block_ids, job.slots, checked=True, columns=job.groups)
+            return pool.plan(job.block_ids, job.slots, checked=True, columns=columns)
         if job.is_load and -1 in job.slots:
             pool.plan(job.block_ids, [0] * len(job), checked=True)  # range-check every id
             keep = [i for i, s in enumerate(job.slots) if s >= 0]
@@ -671,13 +738,15 @@ class OffloadWorker(WorkerConnector):
         if self._faults.fail_stores:
             raise RuntimeError("store failed by the fault plan (kvspec.faults)")
         micros = self._copy(pool, plan, True, event)
+        state_bytes = self._move_states(job, True)
         if self._late(j):  # reported failed: its slots stay invalid
             self._count(store_copy_us=micros, store_failures=len(job))
             return job.block_ids
         for s, t in zip(job.slots, job.tags):
             tags[s] = t
         n = len(job)
-        self._count(store_copy_us=micros, blocks_stored=n, bytes_stored=n * pool.bytes_per_block)
+        self._count(store_copy_us=micros, blocks_stored=n, bytes_stored=n * pool.bytes_per_block,
+                    state_bytes_stored=state_bytes)
         return ()
 
     def _load(self, pool: HostPool, j: _Job | None, job: TransferJob, plan: CopyPlan | None,
@@ -687,12 +756,14 @@ class OffloadWorker(WorkerConnector):
         if plan is not None and self._faults.stall_s:  # hung inside the copy: it goes on
             self._closing.wait(self._faults.stall_s)
         micros = self._copy(pool, plan, False, event) if plan is not None else 0
+        state_bytes = self._move_states(job, False) if plan is not None and not failed else 0
         if j is not None and self._late(j):
             self._count(load_copy_us=micros, load_failures=len(job))
             return job.block_ids
         good = len(job) - len(failed)
         self._count(load_copy_us=micros, blocks_loaded=good,
-                    bytes_loaded=good * pool.bytes_per_block, load_failures=len(failed))
+                    bytes_loaded=good * pool.bytes_per_block, load_failures=len(failed),
+                    state_bytes_loaded=state_bytes)
         return tuple(failed)
 
     def _checked(self, pool: HostPool, job: TransferJob, plan: CopyPlan | None

@@ -55,7 +55,8 @@ class OffloadConnector(ConnectorFactory):
     @property
     def capabilities(self) -> Capabilities:
         """Async loads, delayed free, ``NO_LAYER_HOOKS``, ``INVALID_BLOCKS``, every layout,
-        preemption fences (WRK-012), full and sliding-window groups (up to 8), sleep mode with
+        preemption fences (WRK-012), full and sliding-window groups (up to 8) and state
+        groups under RUNNING caching (their states stored at block boundaries, STG-003), sleep mode with
         the host tier kept across the sleep (WRK-018, WRK-019)."""
         return Capabilities(
             async_loads=True,
@@ -67,7 +68,7 @@ class OffloadConnector(ConnectorFactory):
             handles_preemptions=True,
             fault_injection=True,
             kv_cache_groups=8,
-            group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW}),
+            group_kinds=frozenset({GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.STATE}),
             sleep_mode=True,
         )
 

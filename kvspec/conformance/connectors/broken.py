@@ -30,6 +30,7 @@ from typing_extensions import Self
 
 from kvspec.protocols import (
     AllocatedBlocks,
+    Capabilities,
     ConnectorMetadata,
     ConnectorStats,
     EngineConfigView,
@@ -57,12 +58,17 @@ from .shared_storage import (
     SharedStorageWorker,
     _SaveRecord,  # the save records of the scheduler these variants subclass
 )
+from .state import StateCache, StateCacheMetadata, StateCacheScheduler, StateCacheWorker, state_key
 from .tiny import BlockId, Key, TinyCache, TinyCacheMetadata, TinyCacheScheduler, TinyCacheWorker
 from .tiny import block_file as tiny_block_file
 from .storage import KVBlocks, block_path, stored_events, write_block_file, write_marker
 
 __all__ = [
+    "FullPromptStateConnector",
     "LateScrubConnector",
+    "LateStateReadConnector",
+    "LayerHookStateConnector",
+    "LowerBoundaryStateConnector",
     "DraftNeverSavedConnector",
     "OncePerStepSavesConnector",
     "StaleOutputConnector",
@@ -1494,9 +1500,225 @@ class RejectedKVStoredConnector(TinyCache):
         return _EagerBlocksWorker(config, rank)
 
 
+
+# ------------------------------------------------------------------- state-space hybrids
+
+_STATE = "TestStateGroups and repeated_prompt"
+"""The suite test that catches the state variants: a prompt computed in chunks ending on
+block boundaries, then again, then its first whole blocks alone (a full-prompt match)."""
+
+
+class _StateBroken(StateCache):
+    """Base of the state variants, built on StateCache (attention and a state group)."""
+
+    violates: ClassVar[str] = ""
+    selection: ClassVar[str] = _STATE
+
+    @property
+    def name(self) -> str:
+        """``"broken-<clause>"``."""
+        return f"broken-{self.violates.lower()}"
+
+
+class _LowerBoundaryScheduler(StateCacheScheduler):
+    """Loads the state of the highest stored boundary below the match (STG-003)."""
+
+    def update_state_after_alloc(self, request: RequestView, blocks: AllocatedBlocks,
+                                 num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.state_loads:
+            block, key = self.state_loads[-1]
+            keys = [h.hex() for h in request.block_hashes]
+            below = [j for j in range(keys.index(key[:-1]))
+                     if self.on_disk(state_key(keys[j]))]
+            if below:  # "a stored state close to the match is good enough"
+                self.state_loads[-1] = (block, state_key(keys[below[-1]]))
+
+
+class LowerBoundaryStateConnector(_StateBroken):
+    """Breaks STG-003: loads, with the attention blocks of a match of N tokens, the state
+    of the highest boundary below N it stored (the issue's "state at an aligned boundary at
+    or below N"): the tokens between that boundary and N never reach the state."""
+
+    violates: ClassVar[str] = "STG-003"
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """The scheduler that swaps in a lower boundary's state."""
+        return _LowerBoundaryScheduler(config)
+
+
+class _AttentionOnlyWorker(StateCacheWorker):
+    """Moves the state only from per-layer hooks, which state layers never get, so it never
+    moves it: attention only, in the step-level hooks (STG-005)."""
+
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        TinyCacheWorker.start_load_kv(self, forward_context)
+
+    def wait_for_save(self) -> None:
+        TinyCacheWorker.wait_for_save(self)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      forward_context: ForwardContextView) -> None:
+        return None  # "the state is saved per layer, as attention is": never called for it
+
+
+class _AttentionMatchScheduler(StateCacheScheduler):
+    """Matches attention blocks without asking whether the state was stored (STG-005)."""
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return TinyCacheScheduler.get_num_new_matched_tokens(self, request, num_computed_tokens)
+
+
+class LayerHookStateConnector(_StateBroken):
+    """Breaks STG-005: saves and loads state from ``save_kv_layer`` and
+    ``wait_for_layer_load``, which the engine never calls for state layers (vllm-ascend
+    issue 10246: Mamba state never saved under graph capture), and matches on the
+    attention blocks alone: a hit loads attention and leaves the state block as allocated."""
+
+    violates: ClassVar[str] = "STG-005"
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """The scheduler that matches on attention blocks alone."""
+        return _AttentionMatchScheduler(config)
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """The worker that moves the state from per-layer hooks only."""
+        return _AttentionOnlyWorker(config, rank)
+
+
+class _LateStateReadWorker(StateCacheWorker):
+    """Reads the states a step ended on one step late, in the next ``wait_for_save``
+    (STG-006)."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self._late: tuple[tuple[int, str], ...] = ()
+
+    def wait_for_save(self) -> None:
+        meta = self.slot.get("wait_for_save")
+        TinyCacheWorker.wait_for_save(self)
+        late, self._late = self._late, tuple(meta.state_saves)  # type: ignore[attr-defined]
+        for block_id, key in late:  # "the state stays in its block": it was updated since
+            path = tiny_block_file(self.dir, key, self.rank)
+            data = b"".join(bytes(layout.block_bytes(t, block_id).cpu().numpy().tobytes())
+                            for t, layout in self.state)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+
+
+class LateStateReadConnector(_StateBroken):
+    """Breaks STG-006: copies the state a step ended on in the next step's
+    ``wait_for_save`` (a copy queued behind the next forward). Under RUNNING caching the
+    engine updates the state block in place, so the copy stored under the boundary's key
+    is the state after more tokens than the key says."""
+
+    violates: ClassVar[str] = "STG-006"
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """The worker that reads states one step late."""
+        return _LateStateReadWorker(config, rank)
+
+
+class _FullPromptStateMetadata(StateCacheMetadata, frozen=True, forbid_unknown_fields=True,
+                               tag="statecache-async"):
+    """StateCache's metadata, plus the requests whose asynchronous load it carries."""
+
+    recv: tuple[str, ...] = ()
+
+    @classmethod
+    def decode(cls, data: bytes) -> _FullPromptStateMetadata:
+        """Rebuild what ``encode`` wrote; MalformedMetadataError for anything else."""
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except (msgspec.MsgspecError, ValueError) as e:
+            raise MalformedMetadataError(f"statecache-async metadata: {e}",
+                                         clause="ERR-005") from None
+
+
+class _FullPromptStateScheduler(StateCacheScheduler):
+    """Matches every stored block whose state it holds, the whole prompt included, for an
+    asynchronous load (STG-004)."""
+
+    def __init__(self, config: EngineConfigView) -> None:
+        super().__init__(config)
+        self._recv: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0, False
+        keys = [h.hex() for h in request.block_hashes]
+        end = num_computed_tokens // bs
+        while end < len(keys) and end < request.num_prompt_tokens // bs and keys[end] in \
+                self.stored:  # "an asynchronous load may cover the whole prompt"
+            end += 1
+        while end > num_computed_tokens // bs and not self.on_disk(state_key(keys[end - 1])):
+            end -= 1
+        self.asked[request.request_id] = num_computed_tokens
+        n = end * bs - num_computed_tokens
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: RequestView, blocks: AllocatedBlocks,
+                                 num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens:
+            self._recv.append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        assert isinstance(meta, StateCacheMetadata)
+        recv, self._recv = tuple(self._recv), []
+        return _FullPromptStateMetadata(loads=meta.loads, saves=meta.saves,
+                                        state_loads=meta.state_loads,
+                                        state_saves=meta.state_saves, recv=recv)
+
+
+class _FullPromptStateWorker(StateCacheWorker):
+    """Loads in ``start_load_kv`` and reports the loads' requests finished receiving."""
+
+    def __init__(self, config: EngineConfigView, rank: int) -> None:
+        super().__init__(config, rank)
+        self.slot = MetadataSlot(_FullPromptStateMetadata)  # type: ignore[arg-type]
+        self._done: set[str] = set()
+
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
+        super().start_load_kv(forward_context)
+        self._done |= set(self.slot.get("start_load_kv").recv)  # type: ignore[attr-defined]
+
+    def get_finished(self, finished_req_ids: frozenset[str]
+                     ) -> tuple[frozenset[str], frozenset[str]]:
+        done, self._done = frozenset(self._done), set()
+        return frozenset(), done
+
+
+class FullPromptStateConnector(_StateBroken):
+    """Breaks STG-004: with a state group, makes an asynchronous match that covers the whole
+    prompt when every prompt block and the state after it are stored. vLLM 0.32 rewinds such
+    a match by one token so that the request can sample (scheduler.py:3170-3172): the
+    forward applies the last prompt token to the loaded state, which already holds it."""
+
+    violates: ClassVar[str] = "STG-004"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """StateCache's, with asynchronous loads."""
+        return attrs.evolve(super().capabilities, async_loads=True)
+
+    def create_scheduler(self, config: EngineConfigView) -> SchedulerConnector:
+        """The scheduler that matches whole prompts for asynchronous loads."""
+        return _FullPromptStateScheduler(config)
+
+    def create_worker(self, config: EngineConfigView, rank: int) -> WorkerConnector:
+        """The worker that reports its loads finished receiving."""
+        return _FullPromptStateWorker(config, rank)
+
 BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnector]
                                | type[_LayerwiseBroken] | type[RejectedKVStoredConnector]
-                               | type[UnsyncedWriterConnector] | type[StaleTensorsConnector],
+                               | type[UnsyncedWriterConnector] | type[StaleTensorsConnector]
+                               | type[_StateBroken],
                                str], ...] = tuple(
     (cls, cls.violates)
     for cls in (
@@ -1538,6 +1760,10 @@ BROKEN_CONNECTORS: tuple[tuple[type[BrokenConnector] | type[FullPromptHitConnect
         StaleOutputConnector,
         EarlyReportConnector,
         RejectedKVStoredConnector,
+        LowerBoundaryStateConnector,
+        LayerHookStateConnector,
+        LateStateReadConnector,
+        FullPromptStateConnector,
     )
 )
 """Every broken variant with the clause it breaks."""

@@ -28,6 +28,7 @@ from kvspec.protocols import (
     GroupKind,
     InvalidArgumentError,
     KVCacheLayout,
+    StateLayout,
     KVConnectorOutput,
     MalformedMetadataError,
     MetadataSlot,
@@ -229,6 +230,19 @@ class NullWorker(WorkerConnector):
             )
         layout.check_layer_tensors(list(kv_caches.values()))
         self._layout = layout
+
+    def register_state_caches(
+        self, state_caches: Mapping[str, torch.Tensor], layouts: Mapping[int, StateLayout]
+    ) -> None:
+        """Check every state tensor against its group's layout and keep nothing (STG-001,
+        LAY-008).
+
+        Raises:
+            LayoutMismatchError: a tensor does not match its layout (LAY-008).
+        """
+        for layout in layouts.values():
+            for tensor in state_caches.values():
+                layout.check_tensor(tensor)
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         """Bind the step's metadata (WRK-003).

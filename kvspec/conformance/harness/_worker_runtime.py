@@ -39,6 +39,7 @@ from kvspec.protocols import (
     KVSpecError,
     MalformedMetadataError,
     MetadataBinding,
+    TransferRole,
     WorkerConnector,
     plan_forward,
     resolve_graph_mode,
@@ -152,6 +153,20 @@ class WorkerRuntime:
         view = self.layout.view(self.buffer)
         self.layer_names = config.layer_names
         self.layers = [view[i] for i in range(config.total_layers)]
+        # state layers (HarnessConfig.state_layers, STG-001): one byte storage per layer,
+        # its pages padded to the attention page, registered as (blocks, 1, 1, content)
+        self.state_layout = config.state_layout(rank) if config.state_layers else None
+        self.state_pages: list[torch.Tensor] = []  # (capacity, content) byte views
+        self.state_tensors: list[torch.Tensor] = []  # what register_state_caches gets
+        if self.state_layout is not None:
+            sl = self.state_layout
+            for _ in range(config.state_layers):
+                raw = torch.empty(sl.block_capacity, sl.page_pitch_bytes, dtype=torch.int8,
+                                  device=dev)
+                pages = raw[:, :sl.content_bytes]
+                pages.view(self.layout.dtype).fill_(ALLOC_POISON)
+                self.state_pages.append(pages)
+                self.state_tensors.append(pages.view(sl.block_capacity, 1, 1, sl.content_bytes))
         hpr = config.heads_per_rank
         self.heads = range(rank * hpr, (rank + 1) * hpr)
         self.model = ToyModel(config.total_layers, config.num_heads, config.head_size,
@@ -224,6 +239,10 @@ class WorkerRuntime:
             self._poison(NULL_BLOCK_ID, NULL_POISON)
         try:
             self.connector.register_kv_caches(dict(zip(self.layer_names, self.layers)), layout)
+            if self.state_layout is not None:  # right after, with the state group (STG-001)
+                self.connector.register_state_caches(
+                    dict(zip(self.config.state_layer_names, self.state_tensors)),
+                    {1: self.state_layout})
         except KVSpecError:
             raise
         except Exception as e:
@@ -343,6 +362,8 @@ class WorkerRuntime:
                 self._poison(b, value)
                 self._alloc_value[b] = value
             self._alloc_blocks[value] = set(msg["poison_alloc"])
+        for b in msg.get("zero", ()):  # vLLM's V1 order: after handle_preemptions, before
+            self._zero(b)  # binding and a synchronous start_load_kv (STG-009)
         reqs = msg["reqs"]
         tokens = sum(r["n"] for r in reqs)
         size = self._padded(tokens)
@@ -367,6 +388,7 @@ class WorkerRuntime:
         if plan.start_load and not late_start:
             self.connector.start_load_kv(ctx)
         calls = self.hook_calls
+        state_violations = self._state_step(reqs) if self.state_layout is not None else []
         if reqs:
             self._forward(kind, size or tokens, ctx, layers=self.target)
         if plan.start_load and late_start:
@@ -397,7 +419,7 @@ class WorkerRuntime:
         violations, self._asleep_written = self._asleep_written, []
         violations += (early + written + self._retired_written(msg["step"]) + lost
                       + self._check_reads(reqs, reads, out.invalid_block_ids, kind))
-        violations += self._null_block_written(msg["step"])
+        violations += self._null_block_written(msg["step"]) + state_violations
         if took > self.config.hook_budget_s:
             violations.append({
                 "clause": "WRK-014", "observed": f"the output hooks (get_finished and the other "
@@ -565,6 +587,117 @@ class WorkerRuntime:
                 t[:, block].fill_(value)
             else:
                 t[block].fill_(value)
+        for pages in self.state_pages:  # one block pool: state pages too
+            pages[block].view(self.layout.dtype).fill_(value)
+
+    def _zero(self, block: int) -> None:
+        """Zero a new attention block, as vLLM's runner does with a state group (state
+        pages are never zeroed, STG-009)."""
+        for t in self.layers:
+            if self.layout.packing is KVPacking.SPLIT:
+                t[:, block].zero_()
+            else:
+                t[block].zero_()
+
+    # -- the state group (HarnessConfig.state_layers) ---------------------------------------
+
+    def _state_walk(self, layer: int, tokens: list[int], end: int) -> list[list[int]]:
+        """The toy state of state layer ``layer`` after 0..``end`` tokens, per element of
+        this rank's page: ``S(k) = (3 S(k-1) + token_k + c) mod 101`` with ``c`` fixed per
+        (global element, layer); small integers, exact in every dtype and distinct from
+        every poison. A state after other tokens, or after fewer, differs."""
+        assert self.state_layout is not None
+        size = self.state_layout.content_bytes // self.layout.dtype.itemsize
+        base = self.rank * size
+        c = [((base + e) * 7 + layer * 3) % 11 for e in range(size)]
+        out = [[0] * size]
+        for k in range(end):
+            t = tokens[k] % 101
+            out.append([(3 * v + t + ce) % 101 for v, ce in zip(out[-1], c)])
+        return out
+
+    def _state_step(self, reqs: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+        """The state layers of this step's forward: for each scheduled request, read its
+        state block (index ``state_index(start + n)`` = 0 under RUNNING caching, STG-002),
+        check it is the state after exactly its ``start`` computed tokens, and write the
+        state after ``start + n``. A wrong state right after a load is named by what it is:
+        the state after fewer tokens (STG-003), the state after more (STG-006: read after
+        a later forward updated it in place), a block the connector never wrote (STG-005
+        locally, STG-013 after an asynchronous load, STG-014 on a consumer), anything else
+        (STG-003); the state after the whole prompt when an asynchronous full-prompt match
+        was rewound by one token, as vLLM 0.32 rewinds it (STG-004: that token is applied
+        twice); a wrong state with no load before it is a write into a running request's
+        state (STG-002)."""
+        assert self.state_layout is not None
+        dtype = self.layout.dtype
+        out: list[dict[str, str]] = []
+        for r in reqs:
+            blocks, start, n = r["window"], r["start"], r["n"]
+            if not blocks or blocks[0] == NULL_BLOCK_ID:
+                raise HarnessError(f"harness bug: request {r['id']} has no state block")
+            b = blocks[0]
+            for j, pages in enumerate(self.state_pages):
+                walk = self._state_walk(j, r["tokens"], start + n)
+                page = pages[b].view(dtype)
+                if start > 0:
+                    got = [int(v) for v in page.float().round().tolist()]
+                    if got != walk[start] and not out:
+                        out.append(self._state_violation(r, b, j, got, walk))
+                page.copy_(torch.tensor(walk[start + n], dtype=dtype, device=page.device))
+        return out
+
+    def _state_violation(self, r: Mapping[str, Any], b: int, layer: int, got: list[int],
+                         walk: list[list[int]]) -> dict[str, str]:
+        start = r["start"]
+        name = self.config.state_layer_names[layer]
+        loaded = r["ext"][1] > r["ext"][0] and start == r["ext"][1]
+        where = (f"request {r['id']!r}: state layer {name} (block {b}, rank {self.rank}) "
+                 f"held, when the step's forward read it after {start} computed tokens")
+        if (r.get("loaded_async") and r["ext"][1] > r["ext"][0] and start == r["ext"][1] - 1
+                and got == walk[start + 1]):  # vLLM 0.32 rewinds an async full-prompt hit
+            return {"clause": "STG-004", "observed": f"{where}, the state after all "
+                    f"{start + 1} tokens: an asynchronous match covered the whole prompt, "
+                    "the engine rewound it by one token to sample, and the forward applies "
+                    "that token to the loaded state a second time", "expected": "with a "
+                    "state group, a match (synchronous or asynchronous) that leaves at "
+                    "least one prompt token to compute"}
+        if not loaded:
+            return {"clause": "STG-002", "observed": f"{where}, not the state the previous "
+                    "step left: something wrote a running request's state block",
+                    "expected": "a state written only into index ceil(N/bs)-1 of the "
+                    "request it was loaded for, at its load"}
+        fewer = [k for k in range(start) if walk[k] == got]
+        untouched = all(v == self._alloc_value.get(b, ALLOC_POISON) for v in got)
+        if fewer:
+            return {"clause": "STG-003", "observed": f"{where}, the state after {fewer[-1]} "
+                    f"tokens: a match of {start - r['ext'][0]} tokens loaded a state from a "
+                    "lower boundary", "expected": f"the state after exactly {start} tokens"}
+        more = [k for k in range(start + 1, len(walk)) if walk[k] == got]
+        if more:
+            return {"clause": "STG-006", "observed": f"{where}, the state after {more[0]} "
+                    f"tokens: the state stored for the boundary at {start} tokens was read "
+                    "after a later forward had updated the block in place", "expected":
+                    "a state read after the forward of the step that computed its boundary "
+                    "and before the next one (else not stored)"}
+        if untouched and self.config.role is TransferRole.CONSUMER:
+            return {"clause": "STG-014", "observed": f"{where}, the allocation poison: the "
+                    "request was reported finished receiving with its state never written",
+                    "expected": "every state group handed off; a missing state reported "
+                    "as failed_recving"}
+        if untouched and r.get("loaded_async"):
+            return {"clause": "STG-013", "observed": f"{where}, the allocation poison: the "
+                    "asynchronous load was reported finished before the state group's "
+                    "transfer wrote it", "expected": "one completion per request, once "
+                    "every group (state included) was written"}
+        if untouched:
+            return {"clause": "STG-005", "observed": f"{where}, the allocation poison: the "
+                    f"connector matched {start - r['ext'][0]} tokens and never wrote the "
+                    "state (a state saved from per-layer hooks, which state layers never "
+                    "get, is never stored)", "expected": "state saved and loaded in "
+                    "step-level hooks (start_load_kv, wait_for_save)"}
+        return {"clause": "STG-003", "observed": f"{where}, not the state after any prefix "
+                "of its tokens (another request's or prefix's state)",
+                "expected": f"the state after exactly these {start} tokens"}
 
     def _fill(self, reqs: list[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], list[int], int]]:
         """Fill the persistent buffers for this step's tokens; return each request's reads."""

@@ -17,6 +17,8 @@ from kvspec.protocols import (
     KVCacheGroup,
     KVCacheLayout,
     KVPacking,
+    StateCaching,
+    StateLayout,
     StrideOrder,
     TransferRole,
     freeze_params,
@@ -105,6 +107,19 @@ class HarnessConfig:
             null block 0, as vLLM's hybrid allocator does (KVG-003, KVG-004). None (the
             default): one full-attention group. Needs ``num_layers >= 2`` and no local
             prefix cache (``prefix_caching=False``: the hybrid prefix cache is not modelled).
+        state_layers: A state-space hybrid (STG): this many state layers form a
+            ``GroupKind.STATE`` group beside the attention layers' full-attention group,
+            kept with ``RUNNING`` caching (vLLM's ``mamba_cache_mode="none"``): one state
+            block per request from the one block pool, updated in place every step, with a
+            block size of ``max_model_len`` (STG-001). Each layer's state page (a conv and an
+            ssm component, small integers exact in every dtype) is padded to the attention
+            page and registered with ``register_state_caches``; the worker reads it before
+            every step of a request and writes it back after, and checks what it read
+            against the state after exactly the request's computed tokens (STG-002,
+            STG-003). With a state group the engine zeroes each step's new attention blocks
+            after ``handle_preemptions`` and before binding, as vLLM's V1 runner does
+            (STG-009). 0, the default: no state group. Needs ``prefix_caching=False``, no
+            sliding window and no drafter.
         fail_steps: ``(step, rank)`` pairs: the engine step ``step`` fails on rank ``rank``
             after every rank's connector output was collected, as a step whose output
             fetch fails in vLLM 0.33 with ``enable_fault_tolerance`` (EXE-013). The engine
@@ -182,6 +197,7 @@ class HarnessConfig:
     preempted_hold_s: float = 0.0
     hold_threads: bool = False
     sliding_window: int | None = None
+    state_layers: int = 0
     fail_steps: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=_fail_steps)
     cut_async_matches: bool = False
     speculative_tokens: int = 0
@@ -257,6 +273,13 @@ class HarnessConfig:
             raise InvalidArgumentError(
                 f"HarnessConfig.draft_passes must be an int in [1, speculative_tokens="
                 f"{self.speculative_tokens}], got {passes!r}")
+        sl = self.state_layers
+        if isinstance(sl, bool) or not isinstance(sl, int) or sl < 0 or (sl and (
+                self.prefix_caching or self.sliding_window is not None or self.speculative)):
+            raise InvalidArgumentError(
+                f"HarnessConfig.state_layers must be an int >= 0, above 0 only with "
+                f"prefix_caching=False, no sliding_window and no speculative_tokens, got "
+                f"{sl!r}")
         if self.draft_layers and not self.speculative_tokens:
             raise InvalidArgumentError("HarnessConfig.draft_layers needs speculative_tokens >= 1")
         w = self.sliding_window
@@ -294,10 +317,46 @@ class HarnessConfig:
         """Whether layer index ``layer`` is one of the drafter's."""
         return layer >= self.num_layers
 
+    max_model_len = 4096
+    """Longest request of the harness: a RUNNING state group's block size (STG-001)."""
+
+    @property
+    def state_layer_names(self) -> tuple[str, ...]:
+        """The state layers' names (``state_layers``), registered with
+        ``register_state_caches`` (STG-001)."""
+        return tuple(f"model.layers.{self.num_layers + j}.mixer"
+                     for j in range(self.state_layers))
+
+    @property
+    def state_heads(self) -> int:
+        """State heads of one rank: two per KV head the rank holds (sharded over TP)."""
+        return 2 * self.heads_per_rank
+
+    def state_layout(self, tp_rank: int = 0) -> StateLayout:
+        """One rank's state layout: a conv component ``(2, state_heads)`` (conv layout SD)
+        then an ssm component ``(state_heads, 2)``, in the KV dtype, the page padded to the
+        attention page (STG-001, LAY-004)."""
+        from kvspec.protocols import ConvLayout
+
+        h = self.state_heads
+        page = (self.heads_per_rank * self.block_size * 2 * self.head_size
+                * self.torch_dtype.itemsize)
+        return StateLayout.contiguous(
+            (("conv", (2, h), self.torch_dtype), ("ssm", (h, 2), self.torch_dtype)),
+            self.num_blocks, page_pitch_bytes=page,
+            block_capacity=self.num_blocks + self.extra_capacity,
+            conv_layout=ConvLayout.SD, tp_size=self.tp_size, tp_rank=tp_rank)
+
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         """The model's groups (KVG-001): none (one full group) without ``sliding_window``;
         else the even layers' full-attention group and the odd layers' sliding-window one.
-        Draft layers are in the full-attention group, as vLLM groups them (SPD-003)."""
+        Draft layers are in the full-attention group, as vLLM groups them (SPD-003). With
+        ``state_layers``: every attention layer's full-attention group, then the state
+        group (RUNNING caching, block size ``max_model_len``, STG-001)."""
+        if self.state_layers:
+            return (KVCacheGroup(GroupKind.FULL, self.block_size, self.layer_names),
+                    KVCacheGroup(GroupKind.STATE, self.max_model_len, self.state_layer_names,
+                                 state_caching=StateCaching.RUNNING))
         if self.sliding_window is None:
             return ()
         names = self.layer_names[: self.num_layers]

@@ -216,6 +216,9 @@ class Engine:
     def _build(self, factory: ConnectorFactory, factory_spec: str | None) -> None:
         view = self.config.engine_view(self.tmpdir)
         self._window = self.config.sliding_window or 0
+        self._state = self.config.state_layers > 0  # a state group (STG): r.window holds it
+        self._groups2 = bool(self._window) or self._state  # a second group's block list
+        self._zero: list[int] = []  # new attention blocks the workers zero (STG-009)
         if view.kv_cache_groups:  # a hybrid model: refused unless declared (KVG-002)
             self.caps.check_groups(view.kv_cache_groups, connector=repr(factory.name))
         self.scheduler: SchedulerConnector = factory.create_scheduler(view)
@@ -628,6 +631,7 @@ class Engine:
             "poison_window": self._take(self._poison_window),
             "poison_preempted": self._take(self._poison_preempted),
             "poison_alloc": self._take(self._poison_alloc),
+            "zero": self._take(self._zero),
             "check_freed": self._check_freed,
             "preempted": sorted(out_view.preempted_req_ids),
             "finished": sorted(out_view.finished_req_ids),
@@ -722,7 +726,7 @@ class Engine:
             plans.append({
                 "id": r.rid, "tokens": list(r.tokens[: start + n]), "seed": r.seed,
                 "blocks": list(r.blocks), "window": list(r.window), "start": start, "n": n,
-                "ext": list(r.ext),
+                "ext": list(r.ext), "loaded_async": r.recv_done,
                 "other_seeds": sorted(self._seeds - self._stale_seeds - {r.seed}),
                 "stale_seeds": sorted(self._stale_seeds - {r.seed}),
             })
@@ -783,6 +787,10 @@ class Engine:
                 if is_async:
                     if not self._admit(r, local, local + ext, local + ext):
                         break
+                    # an async match's blocks are not zeroed: every group counts as
+                    # loaded (KVG-009, vLLM's get_loaded_kv_cache_group_ids; STG-009)
+                    held = set(r.blocks)
+                    self._zero = [b for b in self._zero if b not in held]
                     self._to_remote(r, local, ext)
                     continue
             n = self._chunk(r, local + ext, budget)
@@ -879,6 +887,8 @@ class Engine:
             r.blocks += new[:need]
         self._place_window(r, slots, new[need:])
         self._poison_alloc += new
+        if self._state:
+            self._zero += new[:need]
         return True
 
     # -- the sliding-window group of a hybrid model (HarnessConfig.sliding_window) ----------
@@ -888,6 +898,8 @@ class Engine:
         tokens, ``computed`` of them computed or matched: those from the window of the
         token after them on (KVG-003) that hold the null block or none yet. [] with one
         group."""
+        if self._state:  # RUNNING caching: one state block at index 0 (STG-002)
+            return [0] if not r.window or r.window[0] == NULL_BLOCK_ID else []
         if not self._window:
             return []
         bs = self.config.block_size
@@ -918,7 +930,7 @@ class Engine:
     def _blocks(self, r: _Req, start: int = 0, start_w: int = 0) -> AllocatedBlocks:
         """The request's blocks, per group, from position ``start`` (``start_w`` in the
         window group)."""
-        if not self._window:
+        if not self._groups2:
             return AllocatedBlocks.single(r.blocks[start:])
         return AllocatedBlocks((tuple(r.blocks[start:]), tuple(r.window[start_w:])))
 
@@ -944,6 +956,8 @@ class Engine:
         r.blocks += new[:need]
         self._place_window(r, slots, new[need:])
         self._poison_alloc += new
+        if self._state:
+            self._zero += new[:need]
         return True
 
     def _preempt(self, r: _Req, preempted: list[str]) -> None:
@@ -1068,7 +1082,7 @@ class Engine:
         # The connector sees the request as finished or aborted, as an engine shows it then.
         view = attrs.evolve(self._view(r), status=final)
         all_groups = getattr(self.scheduler, "request_finished_all_groups", None)
-        if self._window and all_groups is not None:  # every group's blocks (KVG-006), as
+        if self._groups2 and all_groups is not None:  # every group's blocks (KVG-006), as
             # vLLM passes them to a connector that supports its hybrid allocator
             answer: object = self._timed("request_finished_all_groups", all_groups,
                                          view, self._blocks(r))
@@ -1187,7 +1201,8 @@ class Engine:
         if failed and not r.invalid_named:
             end = start  # a failure that named no block: recompute the whole load
         # An async load may cover the whole prompt; its last token is computed again so
-        # that the request can sample, as vLLM does (SCH-005).
+        # that the request can sample, as vLLM does (SCH-005). With a state group that
+        # token is applied to the loaded state twice: the workers' state check names it.
         r.num_computed = min(end, r.prompt_len - 1)
         r.recv_done = True
         self._external[rid] = self._external.get(rid, 0) + (end - start)
@@ -1202,7 +1217,7 @@ class Engine:
         if not bad:
             return
         bs = self.config.block_size
-        if self._window:
+        if self._groups2:
             self._violate("KVG-005", f"invalid block ids {sorted(bad)[:8]} reported by a "
                           "connector of an engine with several KV-cache groups",
                           "failed loads reported per request (failed_recving), never as block "

@@ -114,7 +114,8 @@ def test_metadata_round_trips_and_rejects_malformed() -> None:
     assert NixlMetadata.decode(meta.encode()) == meta
     good = meta.encode()
     secret = S.encode()
-    for bad in (b"", b"[]", good.replace(b'"version":3', b'"version":2'),
+    for bad in (b"", b"[]", good.replace(b'"version":4', b'"version":3'),
+                good.replace(b'"snaps":{}', b'"snaps":{"r":[0]}'),
                 good.replace(b'"local_groups":[]', b'"local_groups":[[3,4]]'),
                 good.replace(b'"local_groups":[],', b''),
                 good.replace(b'"local_groups":[]', b'"local_groups":[[3,4],[5,5]]').replace(

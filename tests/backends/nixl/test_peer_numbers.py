@@ -24,7 +24,7 @@ BAD = ["²", "9" * 5000, "-1", "01x", ""]
 
 
 def _meta(rank: str) -> bytes:
-    return json.dumps({"kind": "kvspec.nixl", "version": 3, "loads": [], "sends": {},
+    return json.dumps({"kind": "kvspec.nixl", "version": 4, "loads": [], "sends": {}, "snaps": {},
                        "peers": {"prefill": {rank: {"agent_name": "a"}}}}).encode()
 
 
