@@ -81,6 +81,8 @@ class StateCacheScheduler(TinyCacheScheduler):
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """TinyCache's match, cut back to the last block boundary whose state is on disk:
+        the state after exactly the matched tokens must exist (STG-003)."""
         n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not n or self.state_group is None:
             return n, is_async
@@ -94,6 +96,8 @@ class StateCacheScheduler(TinyCacheScheduler):
     def update_state_after_alloc(
         self, request: RequestView, blocks: AllocatedBlocks, num_external_tokens: int
     ) -> None:
+        """TinyCache's loads, plus the state after the matched tokens into the request's
+        state block (RUNNING caching: the group's only block, index 0, STG-002)."""
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if self.state_group is not None and len(blocks.groups) > self.state_group:
             ids = blocks.block_ids(self.state_group)
@@ -107,6 +111,8 @@ class StateCacheScheduler(TinyCacheScheduler):
                                      state_key(keys[end - 1])))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> ConnectorMetadata:
+        """TinyCache's loads and saves, the state loads, and a state save for each request
+        whose computed tokens end on a block boundary this step (STG-006)."""
         for new in scheduler_output.scheduled_new_reqs:
             if self.state_group is not None:
                 self.state_blocks[new.request_id] = new.blocks.block_ids(self.state_group)[0]
