@@ -414,6 +414,8 @@ class WorkerRuntime:
             start = time.monotonic()
             out = self.connector.build_connector_output(frozenset(msg["finished"]))
             took = time.monotonic() - start
+            if self.config.speculative:  # a drafting engine's step with no forward: the
+                early = self._stale_output(out, msg["step"])  # same check (SPD-004)
         self._last_out = out
         self.connector.clear_connector_metadata()
         violations, self._asleep_written = self._asleep_written, []
